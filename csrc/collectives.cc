@@ -1,0 +1,304 @@
+// XLA FFI handlers of the MPI collectives. One handler per operation family;
+// the reduction op, root and communicator arrive as attributes, the dtype from
+// the buffer. Each handler takes and returns the ordering token JAX threads
+// through the program, and hands XLA's buffers to MPI directly.
+#include "handlers.h"
+
+namespace distlinalg {
+namespace {
+
+inline int CommSize(MPI_Comm comm) {
+  int size = 0;
+  MPI_Comm_size(comm, &size);
+  return size;
+}
+inline int CommRank(MPI_Comm comm) {
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  return rank;
+}
+
+ffi::Error Unsupported(const char* op, ffi::DataType dtype) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    std::string("distlinalg: ") + op +
+                        " does not support dtype " + DtypeName(dtype));
+}
+
+// Runs `call(offset, count)` over chunks of at most the per-call cap: the
+// reductions cannot use a derived datatype with the predefined MPI ops.
+template <typename Call>
+int ForEachChunk(int64_t n, Call call) {
+  const int64_t cap = GlobalSettings().max_count;
+  if (n == 0) return call(int64_t{0}, 0);
+  for (int64_t offset = 0; offset < n; offset += cap) {
+    int count = static_cast<int>(std::min<int64_t>(cap, n - offset));
+    int rc = call(offset, count);
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  return MPI_SUCCESS;
+}
+
+char* Bytes(ffi::AnyBuffer b) { return static_cast<char*>(b.untyped_data()); }
+char* Bytes(ffi::Result<ffi::AnyBuffer>& b) {
+  return static_cast<char*>(b->untyped_data());
+}
+
+#define DL_PREAMBLE(NAME, dtype, count, root)                            \
+  MpiLock dl_lock_;                                                      \
+  MPI_Comm comm = CommFromHandle(comm_handle);                           \
+  TypeInfo ti = MpiType(dtype);                                          \
+  if (!ti.ok) return Unsupported(NAME, dtype);                           \
+  if (GlobalSettings().check_signatures) {                               \
+    ffi::Error dl_err_ =                                                 \
+        CheckCollectiveSignature(NAME, comm, dtype, count, root);        \
+    if (dl_err_.failure()) return dl_err_;                               \
+  }                                                                      \
+  CallLog dl_log_(NAME, comm, dtype, count)
+
+MPI_Op CheckedOp(int32_t op, ffi::DataType dtype) {
+  return MpiOp(static_cast<ReduceOp>(op), dtype);
+}
+
+ffi::Error BadOp(const char* name, int32_t op, ffi::DataType dtype) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    std::string("distlinalg: ") + name + " with op " +
+                        OpName(static_cast<ReduceOp>(op)) +
+                        " is not defined for dtype " + DtypeName(dtype));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+ffi::Error AllreduceImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
+                         int32_t op) {
+  const int64_t n = x.element_count();
+  DL_PREAMBLE("allreduce", x.element_type(), n, -1);
+  MPI_Op mop = CheckedOp(op, x.element_type());
+  if (mop == MPI_OP_NULL) return BadOp("allreduce", op, x.element_type());
+  char* in = Bytes(x);
+  char* out = Bytes(y);
+  DL_MPI_CHECK("allreduce", ForEachChunk(n, [&](int64_t off, int count) {
+                 size_t b = off * ti.itemsize;
+                 return MPI_Allreduce(in + b, out + b, count, ti.type, mop,
+                                      comm);
+               }));
+  return ffi::Error::Success();
+}
+
+// Result on root; zeros elsewhere (MPI leaves non-root buffers undefined).
+ffi::Error ReduceImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
+                      int32_t op, int32_t root) {
+  const int64_t n = x.element_count();
+  DL_PREAMBLE("reduce", x.element_type(), n, root);
+  MPI_Op mop = CheckedOp(op, x.element_type());
+  if (mop == MPI_OP_NULL) return BadOp("reduce", op, x.element_type());
+  const bool is_root = CommRank(comm) == root;
+  char* in = Bytes(x);
+  char* out = Bytes(y);
+  if (!is_root) std::memset(out, 0, n * ti.itemsize);
+  DL_MPI_CHECK("reduce", ForEachChunk(n, [&](int64_t off, int count) {
+                 size_t b = off * ti.itemsize;
+                 return MPI_Reduce(in + b, is_root ? out + b : nullptr, count,
+                                   ti.type, mop, root, comm);
+               }));
+  return ffi::Error::Success();
+}
+
+// Output aliases the input buffer (XLA copies only if the input lives on).
+ffi::Error BcastImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                     ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
+                     int32_t root) {
+  const int64_t n = x.element_count();
+  DL_PREAMBLE("bcast", x.element_type(), n, root);
+  char* out = Bytes(y);
+  if (CommRank(comm) == root && out != Bytes(x)) {
+    std::memcpy(out, Bytes(x), n * ti.itemsize);
+  }
+  BlockType block;
+  DL_MPI_CHECK("bcast", block.Init(n, ti.type));
+  DL_MPI_CHECK("bcast",
+               MPI_Bcast(out, block.count(), block.type(), root, comm));
+  return ffi::Error::Success();
+}
+
+// x: s on every rank; y: (size, *s), filled on root, zeros elsewhere.
+ffi::Error GatherImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
+                      int32_t root) {
+  const int64_t n = x.element_count();
+  DL_PREAMBLE("gather", x.element_type(), n, root);
+  const bool is_root = CommRank(comm) == root;
+  char* out = Bytes(y);
+  if (!is_root) std::memset(out, 0, y->element_count() * ti.itemsize);
+  BlockType block;
+  DL_MPI_CHECK("gather", block.Init(n, ti.type));
+  DL_MPI_CHECK("gather",
+               MPI_Gather(Bytes(x), block.count(), block.type(),
+                          is_root ? out : nullptr, block.count(), block.type(),
+                          root, comm));
+  return ffi::Error::Success();
+}
+
+// x: (size, *s), significant on root only; y: s.
+ffi::Error ScatterImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                       ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
+                       int32_t root) {
+  const int64_t n = y->element_count();
+  DL_PREAMBLE("scatter", x.element_type(), n, root);
+  const bool is_root = CommRank(comm) == root;
+  BlockType block;
+  DL_MPI_CHECK("scatter", block.Init(n, ti.type));
+  DL_MPI_CHECK("scatter",
+               MPI_Scatter(is_root ? Bytes(x) : nullptr, block.count(),
+                           block.type(), Bytes(y), block.count(), block.type(),
+                           root, comm));
+  return ffi::Error::Success();
+}
+
+// x: s; y: (size, *s).
+ffi::Error AllgatherImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle) {
+  const int64_t n = x.element_count();
+  DL_PREAMBLE("allgather", x.element_type(), n, -1);
+  BlockType block;
+  DL_MPI_CHECK("allgather", block.Init(n, ti.type));
+  DL_MPI_CHECK("allgather",
+               MPI_Allgather(Bytes(x), block.count(), block.type(), Bytes(y),
+                             block.count(), block.type(), comm));
+  return ffi::Error::Success();
+}
+
+// x: (size, *s); y: s, the op-reduction of every rank's block `rank`.
+ffi::Error ReduceScatterImpl(ffi::Token, ffi::AnyBuffer x,
+                             ffi::Result<ffi::Token>,
+                             ffi::Result<ffi::AnyBuffer> y,
+                             int64_t comm_handle, int32_t op) {
+  const int64_t n = y->element_count();
+  DL_PREAMBLE("reduce_scatter", x.element_type(), n, -1);
+  MPI_Op mop = CheckedOp(op, x.element_type());
+  if (mop == MPI_OP_NULL) return BadOp("reduce_scatter", op, x.element_type());
+  if (n <= GlobalSettings().max_count) {
+    DL_MPI_CHECK("reduce_scatter",
+                 MPI_Reduce_scatter_block(Bytes(x), Bytes(y),
+                                          static_cast<int>(n), ti.type, mop,
+                                          comm));
+    return ffi::Error::Success();
+  }
+  // Blocks beyond the per-call cap: one chunked reduce per destination rank.
+  const int size = CommSize(comm);
+  const int rank = CommRank(comm);
+  for (int r = 0; r < size; ++r) {
+    char* block = Bytes(x) + static_cast<size_t>(r) * n * ti.itemsize;
+    DL_MPI_CHECK("reduce_scatter", ForEachChunk(n, [&](int64_t off, int c) {
+                   size_t b = off * ti.itemsize;
+                   return MPI_Reduce(block + b,
+                                     rank == r ? Bytes(y) + b : nullptr, c,
+                                     ti.type, mop, r, comm);
+                 }));
+  }
+  return ffi::Error::Success();
+}
+
+// x, y: (size, *s); block r of x goes to rank r.
+ffi::Error AlltoallImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle) {
+  const int size = [&] {
+    int s = 0;
+    MPI_Comm_size(CommFromHandle(comm_handle), &s);
+    return s;
+  }();
+  const int64_t n = x.element_count() / size;
+  DL_PREAMBLE("alltoall", x.element_type(), n, -1);
+  BlockType block;
+  DL_MPI_CHECK("alltoall", block.Init(n, ti.type));
+  DL_MPI_CHECK("alltoall",
+               MPI_Alltoall(Bytes(x), block.count(), block.type(), Bytes(y),
+                            block.count(), block.type(), comm));
+  return ffi::Error::Success();
+}
+
+// Inclusive (MPI_Scan) or exclusive (MPI_Exscan) prefix reduction. For the
+// exclusive scan rank 0's output is left zero here; Python replaces it by
+// the op's identity.
+ffi::Error ScanImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                    ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
+                    int32_t op, bool exclusive) {
+  const int64_t n = x.element_count();
+  DL_PREAMBLE(exclusive ? "exscan" : "scan", x.element_type(), n, -1);
+  MPI_Op mop = CheckedOp(op, x.element_type());
+  if (mop == MPI_OP_NULL) return BadOp("scan", op, x.element_type());
+  char* in = Bytes(x);
+  char* out = Bytes(y);
+  if (exclusive && CommRank(comm) == 0) std::memset(out, 0, n * ti.itemsize);
+  DL_MPI_CHECK(exclusive ? "exscan" : "scan",
+               ForEachChunk(n, [&](int64_t off, int count) {
+                 size_t b = off * ti.itemsize;
+                 return exclusive ? MPI_Exscan(in + b, out + b, count, ti.type,
+                                               mop, comm)
+                                  : MPI_Scan(in + b, out + b, count, ti.type,
+                                             mop, comm);
+               }));
+  return ffi::Error::Success();
+}
+
+ffi::Error BarrierImpl(ffi::Token, ffi::Result<ffi::Token>,
+                       int64_t comm_handle) {
+  MpiLock lock;
+  MPI_Comm comm = CommFromHandle(comm_handle);
+  CallLog log("barrier", comm, ffi::DataType::TOKEN, 0);
+  DL_MPI_CHECK("barrier", MPI_Barrier(comm));
+  return ffi::Error::Success();
+}
+
+}  // namespace distlinalg
+
+// ---------------------------------------------------------------------------
+namespace dl = distlinalg;
+namespace ffi = xla::ffi;
+
+#define DL_TOKEN_IN_OUT(binding) \
+  binding.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Ret<ffi::Token>().Ret<ffi::AnyBuffer>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlAllreduce, dl::AllreduceImpl,
+                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int32_t>("op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlReduce, dl::ReduceImpl,
+                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int32_t>("op")
+                                  .Attr<int32_t>("root"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlBcast, dl::BcastImpl,
+                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int32_t>("root"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlGather, dl::GatherImpl,
+                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int32_t>("root"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlScatter, dl::ScatterImpl,
+                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int32_t>("root"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlAllgather, dl::AllgatherImpl,
+                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
+                                  .Attr<int64_t>("comm"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlReduceScatter, dl::ReduceScatterImpl,
+                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int32_t>("op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlAlltoall, dl::AlltoallImpl,
+                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
+                                  .Attr<int64_t>("comm"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlScan, dl::ScanImpl,
+                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int32_t>("op")
+                                  .Attr<bool>("exclusive"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlBarrier, dl::BarrierImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<int64_t>("comm"));

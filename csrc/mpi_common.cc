@@ -1,0 +1,360 @@
+#include "mpi_common.h"
+
+#include <cmath>
+#include <sstream>
+
+namespace distlinalg {
+
+Settings& GlobalSettings() {
+  static Settings settings;
+  return settings;
+}
+
+std::mutex& MpiMutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+// ---------------------------------------------------------------------------
+// Half-precision arithmetic for the user-defined reductions. Values are
+// widened to float, combined, and rounded back once per pairwise step, which
+// is what a float16 `a + b` computes on any hardware.
+namespace {
+
+float Bf16ToFloat(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+uint16_t FloatToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if (std::isnan(f)) return static_cast<uint16_t>((bits >> 16) | 0x0040);
+  uint32_t rounding = 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+float F16ToFloat(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F;
+  uint32_t mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do {
+        ++e;
+        mantissa <<= 1;
+      } while ((mantissa & 0x400) == 0);
+      bits = sign | (static_cast<uint32_t>(127 - 15 - e) << 23) |
+             ((mantissa & 0x3FF) << 13);
+    }
+  } else if (exponent == 0x1F) {
+    bits = sign | 0x7F800000 | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+uint16_t FloatToF16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000);
+  uint32_t abs = bits & 0x7FFFFFFF;
+  if (abs >= 0x7F800000) {  // inf or nan
+    return sign | 0x7C00 | (abs > 0x7F800000 ? 0x200 : 0);
+  }
+  if (abs >= 0x477FF000) return sign | 0x7C00;  // rounds to >= 65520: inf
+  if (abs < 0x38800000) {                       // subnormal half or zero
+    if (abs < 0x33000000) return sign;          // below half the min subnormal
+    uint32_t exponent = abs >> 23;
+    uint32_t mantissa = (abs & 0x7FFFFF) | 0x800000;
+    // value = mantissa * 2^(exponent - 150); in units of the smallest half
+    // subnormal (2^-24) that is mantissa * 2^(exponent - 126).
+    uint32_t drop = 126 - exponent;  // 14..24 in this branch
+    uint32_t value = mantissa >> drop;
+    uint32_t rem = mantissa & ((1u << drop) - 1);
+    uint32_t half = 1u << (drop - 1);
+    if (rem > half || (rem == half && (value & 1))) ++value;
+    return sign | static_cast<uint16_t>(value);
+  }
+  uint32_t rounded = abs + 0xFFF + ((abs >> 13) & 1);  // nearest even
+  return sign |
+         static_cast<uint16_t>(((rounded - 0x38000000) >> 13) & 0x7FFF);
+}
+
+MPI_Datatype& F16Type() {
+  static MPI_Datatype type = MPI_DATATYPE_NULL;
+  return type;
+}
+MPI_Datatype& Bf16Type() {
+  static MPI_Datatype type = MPI_DATATYPE_NULL;
+  return type;
+}
+
+template <typename Combine>
+void HalfReduce(void* in, void* inout, int* len, MPI_Datatype* dtype,
+                Combine combine) {
+  const uint16_t* a = static_cast<const uint16_t*>(in);
+  uint16_t* b = static_cast<uint16_t*>(inout);
+  bool bf16 = (*dtype == Bf16Type());
+  for (int i = 0; i < *len; ++i) {
+    float x = bf16 ? Bf16ToFloat(a[i]) : F16ToFloat(a[i]);
+    float y = bf16 ? Bf16ToFloat(b[i]) : F16ToFloat(b[i]);
+    float z = combine(x, y);
+    b[i] = bf16 ? FloatToBf16(z) : FloatToF16(z);
+  }
+}
+
+// NaN-propagating min/max, like jnp.minimum / jnp.maximum.
+float NanMin(float x, float y) {
+  return (std::isnan(x) || std::isnan(y)) ? NAN : (x < y ? x : y);
+}
+float NanMax(float x, float y) {
+  return (std::isnan(x) || std::isnan(y)) ? NAN : (x > y ? x : y);
+}
+
+void HalfSum(void* in, void* inout, int* len, MPI_Datatype* dt) {
+  HalfReduce(in, inout, len, dt, [](float x, float y) { return x + y; });
+}
+void HalfProd(void* in, void* inout, int* len, MPI_Datatype* dt) {
+  HalfReduce(in, inout, len, dt, [](float x, float y) { return x * y; });
+}
+void HalfMin(void* in, void* inout, int* len, MPI_Datatype* dt) {
+  HalfReduce(in, inout, len, dt, NanMin);
+}
+void HalfMax(void* in, void* inout, int* len, MPI_Datatype* dt) {
+  HalfReduce(in, inout, len, dt, NanMax);
+}
+
+MPI_Op half_ops[4] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+
+// Created lazily on first use (after MPI_Init, which mpi4py performs).
+std::once_flag half_once;
+void InitHalfTypes() {
+  std::call_once(half_once, [] {
+    MPI_Type_contiguous(2, MPI_BYTE, &F16Type());
+    MPI_Type_commit(&F16Type());
+    MPI_Type_contiguous(2, MPI_BYTE, &Bf16Type());
+    MPI_Type_commit(&Bf16Type());
+    MPI_Op_create(&HalfSum, 1, &half_ops[0]);
+    MPI_Op_create(&HalfProd, 1, &half_ops[1]);
+    MPI_Op_create(&HalfMin, 1, &half_ops[2]);
+    MPI_Op_create(&HalfMax, 1, &half_ops[3]);
+  });
+}
+
+}  // namespace
+
+TypeInfo MpiType(ffi::DataType dtype) {
+  using DT = ffi::DataType;
+  switch (dtype) {
+    case DT::PRED: return {MPI_C_BOOL, 1, true};
+    case DT::S8: return {MPI_INT8_T, 1, true};
+    case DT::S16: return {MPI_INT16_T, 2, true};
+    case DT::S32: return {MPI_INT32_T, 4, true};
+    case DT::S64: return {MPI_INT64_T, 8, true};
+    case DT::U8: return {MPI_UINT8_T, 1, true};
+    case DT::U16: return {MPI_UINT16_T, 2, true};
+    case DT::U32: return {MPI_UINT32_T, 4, true};
+    case DT::U64: return {MPI_UINT64_T, 8, true};
+    case DT::F32: return {MPI_FLOAT, 4, true};
+    case DT::F64: return {MPI_DOUBLE, 8, true};
+    case DT::C64: return {MPI_C_FLOAT_COMPLEX, 8, true};
+    case DT::C128: return {MPI_C_DOUBLE_COMPLEX, 16, true};
+    case DT::F16: InitHalfTypes(); return {F16Type(), 2, true};
+    case DT::BF16: InitHalfTypes(); return {Bf16Type(), 2, true};
+    default: return {};
+  }
+}
+
+MPI_Op MpiOp(ReduceOp op, ffi::DataType dtype) {
+  using DT = ffi::DataType;
+  bool complex = dtype == DT::C64 || dtype == DT::C128;
+  if (dtype == DT::F16 || dtype == DT::BF16) {
+    InitHalfTypes();
+    return half_ops[static_cast<int>(op)];
+  }
+  if (dtype == DT::PRED) {
+    switch (op) {
+      case ReduceOp::kMin: return MPI_LAND;
+      case ReduceOp::kMax: return MPI_LOR;
+      default: return MPI_OP_NULL;
+    }
+  }
+  switch (op) {
+    case ReduceOp::kSum: return MPI_SUM;
+    case ReduceOp::kProd: return MPI_PROD;
+    case ReduceOp::kMin: return complex ? MPI_OP_NULL : MPI_MIN;
+    case ReduceOp::kMax: return complex ? MPI_OP_NULL : MPI_MAX;
+  }
+  return MPI_OP_NULL;
+}
+
+const char* DtypeName(ffi::DataType dtype) {
+  using DT = ffi::DataType;
+  switch (dtype) {
+    case DT::PRED: return "bool";
+    case DT::S8: return "int8";
+    case DT::S16: return "int16";
+    case DT::S32: return "int32";
+    case DT::S64: return "int64";
+    case DT::U8: return "uint8";
+    case DT::U16: return "uint16";
+    case DT::U32: return "uint32";
+    case DT::U64: return "uint64";
+    case DT::F16: return "float16";
+    case DT::BF16: return "bfloat16";
+    case DT::F32: return "float32";
+    case DT::F64: return "float64";
+    case DT::C64: return "complex64";
+    case DT::C128: return "complex128";
+    default: return "unsupported";
+  }
+}
+
+const char* OpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kProd: return "prod";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+  }
+  return "?";
+}
+
+int MakeContiguousType(int64_t count, MPI_Datatype base, MPI_Datatype* out) {
+  // count = q * chunk + r with chunk <= cap: a contiguous type of q chunks,
+  // followed (through a struct) by the r remaining elements.
+  const int64_t chunk = GlobalSettings().max_count;
+  const int64_t q = count / chunk;
+  const int64_t r = count % chunk;
+  MPI_Datatype chunk_type, body;
+  int rc = MPI_Type_contiguous(static_cast<int>(chunk), base, &chunk_type);
+  if (rc != MPI_SUCCESS) return rc;
+  rc = MPI_Type_contiguous(static_cast<int>(q), chunk_type, &body);
+  MPI_Type_free(&chunk_type);
+  if (rc != MPI_SUCCESS) return rc;
+  if (r == 0) {
+    *out = body;
+  } else {
+    MPI_Datatype tail;
+    rc = MPI_Type_contiguous(static_cast<int>(r), base, &tail);
+    if (rc != MPI_SUCCESS) return rc;
+    MPI_Aint lb, extent;
+    MPI_Type_get_extent(base, &lb, &extent);
+    int lengths[2] = {1, 1};
+    MPI_Aint displs[2] = {0, static_cast<MPI_Aint>(q * chunk) * extent};
+    MPI_Datatype types[2] = {body, tail};
+    rc = MPI_Type_create_struct(2, lengths, displs, types, out);
+    MPI_Type_free(&body);
+    MPI_Type_free(&tail);
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  return MPI_Type_commit(out);
+}
+
+// ---------------------------------------------------------------------------
+namespace {
+
+int64_t OpId(const char* op) {
+  int64_t h = 1469598103934665603LL;  // FNV-1a
+  for (const char* c = op; *c; ++c) h = (h ^ *c) * 1099511628211LL;
+  return h;
+}
+
+std::string Describe(int64_t dtype, int64_t count) {
+  return std::string(DtypeName(static_cast<ffi::DataType>(dtype))) + "[" +
+         std::to_string(count) + " elements]";
+}
+
+}  // namespace
+
+ffi::Error CheckCollectiveSignature(const char* op, MPI_Comm comm,
+                                    ffi::DataType dtype, int64_t count,
+                                    int64_t root) {
+  int size = 0, rank = 0;
+  MPI_Comm_size(comm, &size);
+  MPI_Comm_rank(comm, &rank);
+  int64_t mine[4] = {OpId(op), static_cast<int64_t>(dtype), count, root};
+  std::vector<int64_t> all(4 * static_cast<size_t>(size));
+  DL_MPI_CHECK("signature check",
+               MPI_Allgather(mine, 4, MPI_INT64_T, all.data(), 4, MPI_INT64_T,
+                             comm));
+  bool same = true;
+  for (int r = 1; r < size; ++r) {
+    for (int k = 0; k < 4; ++k) same &= all[4 * r + k] == all[k];
+  }
+  if (same) return ffi::Error::Success();
+  std::ostringstream msg;
+  msg << "distlinalg: " << op
+      << " was called with mismatched arguments across ranks (rank: "
+         "operation, dtype, count, root):";
+  for (int r = 0; r < size; ++r) {
+    const int64_t* s = &all[4 * r];
+    msg << "\n  rank " << r << ": "
+        << (s[0] == mine[0] ? op : "a different operation") << ", "
+        << Describe(s[1], s[2]) << ", root " << s[3];
+  }
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg.str());
+}
+
+ffi::Error CheckPairSignature(const char* op, MPI_Comm comm, int source,
+                              int dest, int sendtag, int recvtag,
+                              ffi::DataType send_dtype, int64_t send_count,
+                              ffi::DataType recv_dtype, int64_t recv_count) {
+  // Reserved tags of the check: they never carry user data.
+  constexpr int kSendSigTag = 32766, kExpectTag = 32765;
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  int64_t send_sig[3] = {static_cast<int64_t>(send_dtype), send_count,
+                         sendtag};
+  int64_t expect[3] = {static_cast<int64_t>(recv_dtype), recv_count, recvtag};
+  int64_t from_source[3] = {static_cast<int64_t>(recv_dtype), recv_count,
+                            recvtag};
+  int64_t from_dest[3] = {static_cast<int64_t>(send_dtype), send_count,
+                          sendtag};
+  DL_MPI_CHECK("signature check",
+               MPI_Sendrecv(send_sig, 3, MPI_INT64_T, dest, kSendSigTag,
+                            from_source, 3, MPI_INT64_T, source, kSendSigTag,
+                            comm, MPI_STATUS_IGNORE));
+  DL_MPI_CHECK("signature check",
+               MPI_Sendrecv(expect, 3, MPI_INT64_T, source, kExpectTag,
+                            from_dest, 3, MPI_INT64_T, dest, kExpectTag, comm,
+                            MPI_STATUS_IGNORE));
+  std::ostringstream msg;
+  bool bad = false;
+  if (source != MPI_PROC_NULL &&
+      (from_source[0] != expect[0] || from_source[1] != expect[1] ||
+       from_source[2] != expect[2])) {
+    bad = true;
+    msg << "\n  rank " << rank << " expects " << Describe(expect[0], expect[1])
+        << " with tag " << expect[2] << " from rank " << source
+        << ", which sends " << Describe(from_source[0], from_source[1])
+        << " with tag " << from_source[2];
+  }
+  if (dest != MPI_PROC_NULL &&
+      (from_dest[0] != send_sig[0] || from_dest[1] != send_sig[1] ||
+       from_dest[2] != send_sig[2])) {
+    bad = true;
+    msg << "\n  rank " << rank << " sends "
+        << Describe(send_sig[0], send_sig[1]) << " with tag " << send_sig[2]
+        << " to rank " << dest << ", which expects "
+        << Describe(from_dest[0], from_dest[1]) << " with tag "
+        << from_dest[2];
+  }
+  if (!bad) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    std::string("distlinalg: ") + op +
+                        " has mismatched buffers between partners:" +
+                        msg.str());
+}
+
+}  // namespace distlinalg

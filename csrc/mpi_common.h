@@ -1,0 +1,199 @@
+// Shared machinery of the distlinalg FFI handlers: communicator handles,
+// dtype -> MPI datatype mapping (with user-defined half-precision reductions),
+// large-count support, error reporting, debug logging and the optional
+// cross-rank signature check.
+#pragma once
+
+#include <mpi.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace distlinalg {
+
+namespace ffi = xla::ffi;
+
+// ---------------------------------------------------------------------------
+// Operation codes shared with Python (distlinalg/_mpi.py keeps the same table).
+enum class ReduceOp : int32_t { kSum = 0, kProd = 1, kMin = 2, kMax = 3 };
+
+// ---------------------------------------------------------------------------
+// Communicator handles travel through XLA as int64 attributes. MPICH's
+// MPI_Comm is an int, Open MPI's a pointer: convert either way.
+template <typename Comm = MPI_Comm>
+inline Comm CommFromHandle(int64_t handle) {
+  if constexpr (std::is_integral_v<Comm>) {
+    return static_cast<Comm>(handle);
+  } else {
+    return reinterpret_cast<Comm>(static_cast<intptr_t>(handle));
+  }
+}
+
+template <typename Comm = MPI_Comm>
+inline int64_t HandleFromComm(Comm comm) {
+  if constexpr (std::is_integral_v<Comm>) {
+    return static_cast<int64_t>(comm);
+  } else {
+    return static_cast<int64_t>(reinterpret_cast<intptr_t>(comm));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Global settings, changed from Python.
+struct Settings {
+  bool debug_log = false;        // DISTLINALG_DEBUG: log every MPI call
+  bool check_signatures = false;  // DISTLINALG_CHECK: cross-rank shape check
+  bool serialize = false;        // thread level < MULTIPLE: one thread in MPI
+  int64_t max_count = std::numeric_limits<int>::max();  // per-call element cap
+};
+Settings& GlobalSettings();
+std::mutex& MpiMutex();
+
+// Holds the MPI lock for the duration of a handler when MPI runs below
+// THREAD_MULTIPLE (XLA may call handlers from several worker threads).
+class MpiLock {
+ public:
+  MpiLock() : lock_(MpiMutex(), std::defer_lock) {
+    if (GlobalSettings().serialize) lock_.lock();
+  }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+};
+
+// ---------------------------------------------------------------------------
+// Errors: MPI returns codes (communicators carry MPI_ERRORS_RETURN), handlers
+// turn them into ffi::Error, which JAX raises as a Python exception.
+inline std::string MpiErrorString(int code) {
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, buf, &len) != MPI_SUCCESS) {
+    return "MPI error code " + std::to_string(code);
+  }
+  return std::string(buf, len);
+}
+
+inline ffi::Error MpiError(const char* op, int code) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("distlinalg: MPI error in ") + op + ": " +
+                        MpiErrorString(code));
+}
+
+#define DL_MPI_CHECK(op, call)              \
+  do {                                      \
+    int dl_rc_ = (call);                    \
+    if (dl_rc_ != MPI_SUCCESS) return MpiError(op, dl_rc_); \
+  } while (0)
+
+// ---------------------------------------------------------------------------
+// Datatypes.
+struct TypeInfo {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  size_t itemsize = 0;
+  bool ok = false;
+};
+
+// MPI datatype for an XLA element type. float16 and bfloat16 have no MPI
+// type: they travel as distinct 2-byte derived types reduced by user ops.
+TypeInfo MpiType(ffi::DataType dtype);
+
+// MPI_Op for (op, dtype). bool uses the logical ops for min/max; half
+// precision uses user-defined ops. Returns MPI_OP_NULL when unsupported.
+MPI_Op MpiOp(ReduceOp op, ffi::DataType dtype);
+
+const char* DtypeName(ffi::DataType dtype);
+const char* OpName(ReduceOp op);
+
+// A contiguous datatype of `count` elements of `base`, valid for any count
+// (nested when count exceeds the int range). The caller frees it with
+// MPI_Type_free. Used for data movement (not reductions) beyond INT_MAX.
+int MakeContiguousType(int64_t count, MPI_Datatype base, MPI_Datatype* out);
+
+// RAII for a datatype made by MakeContiguousType.
+class BlockType {
+ public:
+  BlockType() = default;
+  ~BlockType() {
+    if (owned_) MPI_Type_free(&type_);
+  }
+  BlockType(const BlockType&) = delete;
+  BlockType& operator=(const BlockType&) = delete;
+  // Chooses (count, type) so that `count` items of `type` describe `n`
+  // elements of `base`: the plain type when n fits the per-call cap,
+  // otherwise one item of a contiguous derived type.
+  int Init(int64_t n, MPI_Datatype base) {
+    if (n <= GlobalSettings().max_count) {
+      count_ = static_cast<int>(n);
+      type_ = base;
+      return MPI_SUCCESS;
+    }
+    int rc = MakeContiguousType(n, base, &type_);
+    if (rc != MPI_SUCCESS) return rc;
+    owned_ = true;
+    count_ = 1;
+    return MPI_SUCCESS;
+  }
+  int count() const { return count_; }
+  MPI_Datatype type() const { return type_; }
+
+ private:
+  int count_ = 0;
+  MPI_Datatype type_ = MPI_DATATYPE_NULL;
+  bool owned_ = false;
+};
+
+// ---------------------------------------------------------------------------
+// Debug logging (DISTLINALG_DEBUG=1): one line per MPI call on stderr.
+class CallLog {
+ public:
+  CallLog(const char* op, MPI_Comm comm, ffi::DataType dtype, int64_t count)
+      : op_(op), comm_(comm), dtype_(dtype), count_(count) {
+    if (GlobalSettings().debug_log) start_ = std::chrono::steady_clock::now();
+  }
+  ~CallLog() {
+    if (!GlobalSettings().debug_log) return;
+    double us = std::chrono::duration<double, std::micro>(
+                    std::chrono::steady_clock::now() - start_)
+                    .count();
+    int rank = -1;
+    MPI_Comm_rank(comm_, &rank);
+    std::fprintf(stderr,
+                 "distlinalg r%d | %-14s | dtype=%-9s | count=%-10lld | "
+                 "%.1f us\n",
+                 rank, op_, DtypeName(dtype_), static_cast<long long>(count_),
+                 us);
+  }
+
+ private:
+  const char* op_;
+  MPI_Comm comm_;
+  ffi::DataType dtype_;
+  int64_t count_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+// ---------------------------------------------------------------------------
+// Cross-rank consistency check (DISTLINALG_CHECK=1): every rank contributes
+// (op id, dtype, element count, root) and all ranks compare, so a mismatch is
+// an error on every rank instead of silent corruption or a hang.
+ffi::Error CheckCollectiveSignature(const char* op, MPI_Comm comm,
+                                    ffi::DataType dtype, int64_t count,
+                                    int64_t root);
+
+// The same for a point-to-point exchange: partners swap what they send and
+// expect, so both sides see a mismatch.
+ffi::Error CheckPairSignature(const char* op, MPI_Comm comm, int source,
+                              int dest, int sendtag, int recvtag,
+                              ffi::DataType send_dtype, int64_t send_count,
+                              ffi::DataType recv_dtype, int64_t recv_count);
+
+}  // namespace distlinalg

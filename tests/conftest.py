@@ -1,0 +1,65 @@
+"""Fixtures every distributed test needs.
+
+The suite runs under ``mpiexec -n N`` (see tests/run_mpi.py); every rank runs
+every test in the same order. Tests marked ``serial`` run in one plain
+process instead.
+"""
+
+from __future__ import annotations
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import distlinalg  # noqa: E402,F401  (initialises MPI and the handlers)
+
+
+@pytest.fixture
+def comm():
+    """A fresh communicator for one test (freed afterwards)."""
+    c = MPI.COMM_WORLD.Dup()
+    c.Set_errhandler(MPI.ERRORS_RETURN)
+    yield c
+    c.Free()
+
+
+@pytest.fixture
+def rank(comm):
+    return comm.Get_rank()
+
+
+@pytest.fixture
+def size(comm):
+    return comm.Get_size()
+
+
+def gather_global(local, comm):
+    """Stack every rank's array on a leading rank axis, on every rank (mpi4py)."""
+    local = np.asarray(local)
+    return np.stack(comm.allgather(local))
+
+
+def assert_matches_reference(local, reference, comm, *, rtol=1e-12, atol=1e-12, err_msg=""):
+    """Check a distributed result against a single-process reference.
+
+    Args:
+      local: this rank's result.
+      reference: the expected results of all ranks, stacked on a leading rank
+        axis (computed with numpy/jax on the gathered global data), or a
+        callable taking the gathered local results and returning that stack.
+
+    Every rank checks every rank's block, so a wrong value anywhere fails the
+    test on every rank (no rank moves on to the next collective alone).
+    """
+    everyone = gather_global(local, comm)
+    expected = reference(everyone) if callable(reference) else np.asarray(reference)
+    np.testing.assert_allclose(everyone, expected, rtol=rtol, atol=atol, err_msg=err_msg)
+
+
+@pytest.fixture
+def check():
+    return assert_matches_reference

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Run the test suite under mpiexec, one rank count after another.
+
+    python tests/run_mpi.py --ranks 1 2 3 -- [pytest args]
+    python tests/run_mpi.py --mpiexec-only -n 2 -- python script.py
+
+Each rank writes its own log (.mpitest/n<N>/rank<r>.log). Rank 0's log is
+shown; a rank that fails has its log shown too. pytest-timeout bounds every
+test (a deadlock fails that test, names it and dumps the rank's stacks), and
+a wall-clock limit on the whole mpiexec run catches anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOGS = ROOT / ".mpitest"
+RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
+
+
+def find_mpiexec() -> list[str]:
+    explicit = os.environ.get("MPIEXEC")
+    if explicit:
+        return explicit.split()
+    beside = Path(sys.executable).parent / "mpiexec"
+    exe = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if exe is None:
+        sys.exit("run_mpi: no mpiexec found (set MPIEXEC=/path/to/mpiexec)")
+    cmd = [exe]
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" in version or "OpenRTE" in version or "prterun" in version.lower():
+        # Oversubscription (3 ranks on 2 cores) must be allowed explicitly,
+        # and idle ranks should yield the core instead of spinning.
+        cmd += ["--oversubscribe", "--mca", "mpi_yield_when_idle", "1"]
+    return cmd
+
+
+def worker(argv: list[str]) -> int:
+    """Inside mpiexec: redirect this rank's output to its log, run pytest."""
+    log_dir = Path(argv[0])
+    rank = next((os.environ[k] for k in RANK_ENV if k in os.environ), "0")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = open(log_dir / f"rank{rank}.log", "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    import pytest
+
+    code = pytest.main(argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    (log_dir / f"rank{rank}.rc").write_text(str(int(code)))
+    return int(code)
+
+
+def run_ranks(nprocs: int, pytest_args: list[str], timeout: float) -> bool:
+    log_dir = LOGS / f"n{nprocs}"
+    shutil.rmtree(log_dir, ignore_errors=True)
+    cmd = find_mpiexec() + [
+        "-n", str(nprocs), sys.executable, __file__, "--worker", str(log_dir),
+        "-p", "no:cacheprovider", "-m", "not serial", *pytest_args,
+    ]
+    print(f"=== {nprocs} rank(s): {' '.join(cmd)}", flush=True)
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+    try:
+        proc.wait(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        timed_out = True
+    elapsed = time.monotonic() - start
+    codes = {}
+    for r in range(nprocs):
+        rc_file = log_dir / f"rank{r}.rc"
+        codes[r] = int(rc_file.read_text()) if rc_file.exists() else None
+    ok = not timed_out and proc.returncode == 0 and all(c == 0 for c in codes.values())
+    # pytest exit 5 = nothing collected (e.g. a -k filter) is not a failure.
+    if not timed_out and all(c in (0, 5) for c in codes.values()) and proc.returncode in (0, 5):
+        ok = True
+    rank0 = log_dir / "rank0.log"
+    print(rank0.read_text() if rank0.exists() else "(rank 0 wrote no log)", flush=True)
+    if not ok:
+        reason = f"timed out after {timeout:.0f} s" if timed_out else f"mpiexec exit {proc.returncode}"
+        print(f"!!! {nprocs} rank(s) FAILED ({reason}); per-rank exit codes {codes}", flush=True)
+        for r in range(1, nprocs):
+            if codes[r] != 0:
+                log = log_dir / f"rank{r}.log"
+                text = log.read_text() if log.exists() else "(no log)"
+                print(f"----- rank {r} of {nprocs} (exit {codes[r]}) -----\n{text}", flush=True)
+    print(f"=== {nprocs} rank(s): {'ok' if ok else 'FAILED'} in {elapsed:.0f} s", flush=True)
+    return ok
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return worker(sys.argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--timeout", type=float, default=1500.0, help="wall-clock limit per rank count (s)")
+    parser.add_argument("--no-serial", action="store_true", help="skip the single-process tests")
+    parser.add_argument("--mpiexec-only", action="store_true", help="run a command under mpiexec")
+    parser.add_argument("-n", type=int, default=2, help="ranks for --mpiexec-only")
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    if args.mpiexec_only:
+        return subprocess.call(find_mpiexec() + ["-n", str(args.n), *rest], cwd=ROOT)
+    results = []
+    if not args.no_serial:
+        print("=== single-process tests", flush=True)
+        code = subprocess.call(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "serial", *rest], cwd=ROOT
+        )
+        results.append(code in (0, 5))
+    for n in args.ranks:
+        results.append(run_ranks(n, rest, args.timeout))
+    print(f"=== summary: {sum(results)} of {len(results)} runs passed", flush=True)
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
