@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 ifeq ($(DISTLINALG_MPI),system)
 	$(BIN)/python -m pip install -q --no-binary mpi4py mpi4py
 endif
-	$(BIN)/python -m pip install -q --no-build-isolation -e .
+	$(BIN)/python -m pip install -q --no-build-isolation -Cbuild-dir=build/$(notdir $(VENV)) -e .
 	@touch $@
 
 test: setup

@@ -15,6 +15,7 @@ from jax.interpreters import ad, batching, mlir  # semi-public modules
 from jax._src import dispatch as _dispatch  # private
 from jax._src import effects as _effects  # private
 from jax._src import core as _core  # private
+from jax._src.lib.mlir.dialects import hlo as _hlo  # private
 
 __all__ = [
     "Effect",
@@ -55,6 +56,16 @@ def register_ordered_effect(effect_type: type) -> None:
 def apply_primitive(prim: Any, *args: Any, **params: Any) -> Any:
     """Eager evaluation of a primitive (compiled once per parameter set)."""
     return _dispatch.apply_primitive(prim, *args, **params)
+
+
+def at_top_level() -> bool:
+    """True when no JAX transformation or trace is active (plain eager code)."""
+    return type(_core.trace_ctx.trace) is _core.EvalTrace
+
+
+def fresh_token() -> Any:
+    """A new StableHLO token (for programs that carry no JAX ordered effect)."""
+    return _hlo.create_token()
 
 
 def token_in(ctx: Any, effect: Any) -> Any:

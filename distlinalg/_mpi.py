@@ -9,6 +9,7 @@ library's private communicator.
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -272,7 +273,11 @@ SUPPORTED_DTYPES = tuple(
 
 def check_dtype(dtype: Any, opname: str, op: ReduceOp | None = None) -> None:
     """TypeError at trace time for dtypes MPI cannot carry or reduce."""
-    dtype = np.dtype(dtype)
+    _check_dtype(np.dtype(dtype), opname, op)
+
+
+@functools.lru_cache(maxsize=None)
+def _check_dtype(dtype: np.dtype, opname: str, op: ReduceOp | None) -> None:
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"distlinalg.{opname}: unsupported dtype {dtype}; supported: "

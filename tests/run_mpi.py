@@ -67,7 +67,10 @@ def run_ranks(nprocs: int, pytest_args: list[str], timeout: float) -> bool:
     shutil.rmtree(log_dir, ignore_errors=True)
     cmd = find_mpiexec() + [
         "-n", str(nprocs), sys.executable, __file__, "--worker", str(log_dir),
-        "-p", "no:cacheprovider", "-m", "not serial", *pytest_args,
+        "-p", "no:cacheprovider", "-m", "not serial",
+        # A rank blocked inside MPI never returns to the interpreter, so
+        # SIGALRM-based timeouts would never fire: use the timer thread.
+        "--timeout-method=thread", *pytest_args,
     ]
     print(f"=== {nprocs} rank(s): {' '.join(cmd)}", flush=True)
     start = time.monotonic()

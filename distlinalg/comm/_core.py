@@ -9,7 +9,7 @@ lowering, and small helpers for the AD rules.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
+import functools
 from typing import Any
 
 import jax
@@ -39,12 +39,61 @@ mpi_effect = MPIEffect()
 _compat.register_ordered_effect(MPIEffect)
 
 
+# Eager calls of a primitive go through a twin without the ordered effect:
+# programs with effects take JAX's Python dispatch path (hundreds of µs per
+# call, most of it runtime-token bookkeeping), effect-free programs the C++
+# fast path. Program order still holds eagerly: PJRT runs the computations
+# of one device in dispatch order, and the custom call is marked as having a
+# side effect so XLA never drops it.
+_eager_twins: dict[Primitive, Primitive] = {}
+
+
 def new_primitive(name: str, *, multiple_results: bool = False) -> Primitive:
-    """A primitive with eager evaluation through a compiled single-op program."""
+    """A communication primitive and its effect-free twin for eager calls."""
     prim = Primitive(f"distlinalg_{name}")
     prim.multiple_results = multiple_results
-    prim.def_impl(partial(_compat.apply_primitive, prim))
+    twin = Primitive(f"distlinalg_{name}_eager")
+    # The twin always returns a list: primitives without results (send,
+    # barrier) return a dummy scalar so the call is not dead code.
+    twin.multiple_results = True
+    _eager_twins[prim] = twin
+
+    @functools.lru_cache(maxsize=None)
+    def compiled(params: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+        return jax.jit(functools.partial(twin.bind, **dict(params)))
+
+    def eager_impl(*args: Any, **params: Any) -> Any:
+        outs = compiled(tuple(sorted(params.items())))(*args)
+        if not multiple_results:
+            return outs[0]
+        return outs[:-1] if _has_dummy_result(prim) else outs
+
+    prim.def_impl(eager_impl)
     return prim
+
+
+def bind(prim: Primitive, *args: Any, **params: Any) -> Any:
+    """`prim.bind`, short-circuited to the eager implementation at top level.
+
+    Public functions call this: outside any transformation the result is the
+    same as `prim.bind`, without JAX's per-bind trace lookup (which costs as
+    much as the whole small-message MPI call).
+    """
+    if _compat.at_top_level():
+        return prim.impl(*args, **params)
+    return prim.bind(*args, **params)
+
+
+def as_array(x: Any) -> Any:
+    """jnp.asarray, skipped for values that already are JAX arrays/tracers."""
+    return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
+_dummy_results: set[Primitive] = set()
+
+
+def _has_dummy_result(prim: Primitive) -> bool:
+    return prim in _dummy_results
 
 
 def def_abstract_eval(prim: Primitive, shape_rule: Callable[..., Any]) -> None:
@@ -54,6 +103,17 @@ def def_abstract_eval(prim: Primitive, shape_rule: Callable[..., Any]) -> None:
         return shape_rule(*avals, **params), {mpi_effect}
 
     prim.def_effectful_abstract_eval(abstract_eval)
+
+    def twin_abstract_eval(*avals, **params):
+        out = shape_rule(*avals, **params)
+        if not prim.multiple_results:
+            return [out]
+        if len(out) == 0:
+            _dummy_results.add(prim)
+            return [_DUMMY_AVAL]
+        return list(out)
+
+    _eager_twins[prim].def_abstract_eval(twin_abstract_eval)
 
 
 def shaped(shape: Sequence[int], dtype: Any) -> Any:
@@ -80,9 +140,7 @@ def register_lowering(
     if aliases:
         alias_map = {i + 1: o + 1 for i, o in aliases.items()}
 
-    def lowering(ctx, *operands, **params):
-        token = _compat.token_in(ctx, mpi_effect)
-        avals_out = [] if token_only_result else list(ctx.avals_out)
+    def emit(ctx, token, operands, params, avals_out):
         sub = _compat.replace_lowering_avals(
             ctx,
             [_compat.abstract_token, *ctx.avals_in],
@@ -90,11 +148,26 @@ def register_lowering(
         )
         extra = {"operand_output_aliases": alias_map} if alias_map else {}
         rule = jax.ffi.ffi_lowering(target, has_side_effect=True, **extra)
-        token_out, *results = rule(sub, token, *operands, **attrs(**params))
+        return rule(sub, token, *operands, **attrs(**params))
+
+    def lowering(ctx, *operands, **params):
+        avals_out = [] if token_only_result else list(ctx.avals_out)
+        token_out, *results = emit(ctx, _compat.token_in(ctx, mpi_effect), operands, params, avals_out)
         _compat.set_token_out(ctx, mpi_effect, token_out)
         return results
 
+    def twin_lowering(ctx, *operands, **params):
+        if token_only_result:
+            emit(ctx, _compat.fresh_token(), operands, params, [])
+            return [mlir.ir_constant(np.zeros((), np.int32))]
+        _, *results = emit(ctx, _compat.fresh_token(), operands, params, list(ctx.avals_out))
+        return results
+
     mlir.register_lowering(prim, lowering, platform="cpu")
+    mlir.register_lowering(_eager_twins[prim], twin_lowering, platform="cpu")
+
+
+_DUMMY_AVAL = _compat.ShapedArray((), np.int32)
 
 
 def comm_attr(comm: Communicator) -> np.int64:
@@ -144,6 +217,8 @@ __all__ = [
     "MPIEffect",
     "mpi_effect",
     "new_primitive",
+    "bind",
+    "as_array",
     "def_abstract_eval",
     "shaped",
     "register_lowering",

@@ -97,8 +97,8 @@ def allreduce(x: Any, op: Any = "sum", *, comm: Any = None) -> Any:
     op = resolve_op(op)
 
     def one(a):
-        a = jnp.asarray(a)
+        a = _core.as_array(a)
         check_dtype(a.dtype, "allreduce", op)
-        return allreduce_p.bind(a, comm=comm, op=op)
+        return _core.bind(allreduce_p, a, comm=comm, op=op)
 
     return _core.tree_apply(one, x)

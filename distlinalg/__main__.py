@@ -1,0 +1,68 @@
+"""`python -m distlinalg`: environment report (run it under mpiexec too).
+
+Prints, from rank 0, the versions and MPI facts a bug report needs, then one
+line per rank showing that every rank reached the same library.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+
+def environment_report() -> str:
+    """The report as text (rank 0's view plus every rank's one-line summary)."""
+    import jax
+    import jaxlib
+    import mpi4py
+    import numpy as np
+    from mpi4py import MPI
+
+    from . import __version__, _mpi
+
+    comm = _mpi.DEFAULT_COMM
+    levels = {
+        MPI.THREAD_SINGLE: "SINGLE",
+        MPI.THREAD_FUNNELED: "FUNNELED",
+        MPI.THREAD_SERIALIZED: "SERIALIZED",
+        MPI.THREAD_MULTIPLE: "MULTIPLE",
+    }
+    build = _mpi.BUILD_INFO
+    runtime = MPI.Get_library_version().strip().splitlines()
+    settings = _mpi._native.settings()
+    lines = [
+        f"distlinalg:     {__version__}",
+        f"python:         {sys.version.split()[0]} ({platform.platform()})",
+        f"jax:            {jax.__version__}",
+        f"jaxlib:         {jaxlib.__version__}",
+        f"numpy:          {np.__version__}",
+        f"mpi4py:         {mpi4py.__version__}",
+        f"MPI at run time:  {runtime[0] if runtime else '?'}",
+        f"MPI at build time: {build['implementation']} {build['header_version']} "
+        f"(MPI standard {build['mpi_standard']})",
+        f"MPI vendor (mpi4py): {MPI.get_vendor()[0]} {'.'.join(map(str, MPI.get_vendor()[1]))}",
+        f"thread level:   {levels.get(_mpi.THREAD_LEVEL, _mpi.THREAD_LEVEL)}"
+        + ("" if _mpi.THREAD_LEVEL == MPI.THREAD_MULTIPLE else " (handlers serialised by a lock)"),
+        f"world size:     {comm.size}",
+        f"jax devices:    {', '.join(str(d) for d in jax.devices())}",
+        f"CUDA support built: {'yes' if build['cuda'] else 'no'}",
+        f"debug log (DISTLINALG_DEBUG): {settings['debug_log']}; "
+        f"signature check (DISTLINALG_CHECK): {settings['check_signatures']}",
+    ]
+    host = platform.node()
+    everyone = comm.comm.allgather(f"rank {comm.rank} of {comm.size} on {host}")
+    lines += ["ranks:"] + [f"  {line}" for line in everyone]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    from . import _mpi
+
+    report = environment_report()
+    if _mpi.DEFAULT_COMM.rank == 0:
+        print(report, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Single-process checks of the build, the import-time MPI checks and the harness."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.serial
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = ROOT / "tests" / "run_mpi.py"
+
+
+def run(cmd, timeout=300, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+
+
+def test_environment_report_under_mpiexec():
+    out = run([sys.executable, str(RUNNER), "--mpiexec-only", "-n", "2", "--",
+               sys.executable, "-m", "distlinalg"])
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for key in ["distlinalg:", "jax:", "jaxlib:", "mpi4py:", "numpy:", "MPI at run time:",
+                "MPI at build time:", "thread level:", "world size:     2", "CUDA support built:"]:
+        assert key in text, (key, text)
+    assert "rank 0 of 2" in text and "rank 1 of 2" in text
+
+
+def test_library_mismatch_is_an_import_error(monkeypatch):
+    from distlinalg import _mpi
+
+    class OtherLibrary:
+        def __getattr__(self, name):
+            return getattr(_mpi._native, name)
+
+        @staticmethod
+        def runtime_library_version():
+            return "Open MPI v5.0.0, package: elsewhere"
+
+    monkeypatch.setattr(_mpi, "_native", OtherLibrary())
+    with pytest.raises(ImportError, match="different MPI libraries(.|\n)*Rebuild distlinalg"):
+        _mpi._check_library()
+
+
+def test_abi_mismatch_is_an_import_error(monkeypatch):
+    from distlinalg import _mpi
+
+    monkeypatch.setitem(_mpi.BUILD_INFO, "comm_world_handle", 12345)
+    with pytest.raises(ImportError, match="different MPI ABIs(.|\n)*Rebuild"):
+        _mpi._check_library()
+
+
+def test_low_thread_level_is_an_import_error():
+    code = textwrap.dedent(
+        """
+        import mpi4py
+        mpi4py.rc.thread_level = "funneled"
+        from mpi4py import MPI
+        try:
+            import distlinalg
+        except ImportError as err:
+            print("IMPORT ERROR:", err)
+        """
+    )
+    out = run([sys.executable, "-c", code])
+    assert "IMPORT ERROR:" in out.stdout and "SERIALIZED or MULTIPLE" in out.stdout, out.stdout + out.stderr
+
+
+def test_build_without_mpi_compiler_says_how_to_get_one(tmp_path):
+    import jax  # noqa: F401  (the configure step imports it too)
+
+    env = dict(os.environ, DISTLINALG_MPICC=str(tmp_path / "no-such-mpicc"))
+    out = run(["cmake", "-S", str(ROOT), "-B", str(tmp_path / "build"),
+               f"-DPython_EXECUTABLE={sys.executable}"], env=env)
+    assert out.returncode != 0
+    message = out.stdout + out.stderr
+    assert "no MPI compiler wrapper" in message and "pip install mpich mpi4py" in message, message
+
+
+def test_harness_reports_a_deadlocked_test_and_its_rank(tmp_path):
+    test_file = tmp_path / "test_hang.py"
+    test_file.write_text(textwrap.dedent(
+        """
+        import pytest
+        import jax.numpy as jnp
+        import distlinalg
+        from distlinalg.comm import allreduce
+
+        @pytest.mark.timeout(10)
+        def test_only_rank_zero_communicates():
+            if distlinalg.rank() == 0:
+                allreduce(jnp.ones(1)).block_until_ready()
+        """
+    ))
+    out = run([sys.executable, str(RUNNER), "--ranks", "2", "--no-serial", "--timeout", "120",
+               "--", str(test_file)], timeout=200)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "FAILED" in text and "test_only_rank_zero_communicates" in text, text
+    assert "Timeout" in text, text
