@@ -78,10 +78,13 @@ ffi::Error AllreduceImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   if (mop == MPI_OP_NULL) return BadOp("allreduce", op, x.element_type());
   char* in = Bytes(x);
   char* out = Bytes(y);
+  // XLA may hand the input buffer back as the output (operand aliasing,
+  // e.g. a loop carry): then reduce in place.
+  const bool in_place = in == out;
   DL_MPI_CHECK("allreduce", ForEachChunk(n, [&](int64_t off, int count) {
                  size_t b = off * ti.itemsize;
-                 return MPI_Allreduce(in + b, out + b, count, ti.type, mop,
-                                      comm);
+                 return MPI_Allreduce(in_place ? MPI_IN_PLACE : in + b,
+                                      out + b, count, ti.type, mop, comm);
                }));
   return ffi::Error::Success();
 }

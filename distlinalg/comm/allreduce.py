@@ -26,6 +26,7 @@ _core.register_lowering(
     allreduce_p,
     "distlinalg_allreduce",
     lambda *, comm, op: {"comm": _core.comm_attr(comm), "op": np.int32(op)},
+    aliases={0: 0},
 )
 
 
