@@ -1,0 +1,14 @@
+"""Krylov solvers across MPI ranks, differentiable end to end.
+
+``cg`` (conjugate gradients, standard or single-reduction) and ``minres``
+(symmetric indefinite, with shift) run inside ``jax.jit`` on replicated or
+sharded vectors, return a :class:`SolverInfo` identical on every rank, and
+differentiate through ``lax.custom_linear_solve`` (one extra solve).
+"""
+
+from ._common import Reason, SolverInfo
+from .cg import cg
+from .minres import minres
+from .preconditioners import jacobi
+
+__all__ = ["cg", "minres", "jacobi", "Reason", "SolverInfo"]

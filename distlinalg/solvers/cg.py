@@ -1,0 +1,250 @@
+"""Conjugate gradients across ranks (Hestenes–Stiefel, and Chronopoulos–Gear).
+
+For Hermitian positive definite A and preconditioner M (M ≈ A⁻¹, HPD):
+
+    r₀ = b − A x₀,  z₀ = M r₀,  p₀ = z₀,  γ₀ = ⟨r₀, z₀⟩
+    for k = 0, 1, ...
+        q  = A p
+        α  = γ / ⟨p, q⟩                         (reduction 1)
+        x ← x + α p;   r ← r − α q;   z = M r
+        γ' = ⟨r, z⟩, ρ = ⟨r, r⟩                 (reduction 2, fused)
+        stop when √ρ ≤ max(rtol ‖b‖, atol)
+        p ← z + (γ'/γ) p;   γ ← γ'
+
+The single-reduction variant (Chronopoulos & Gear 1989) carries s = A p and
+w = A u to compute ⟨r, u⟩, ⟨w, u⟩ and ⟨r, r⟩ in one fused reduction per
+iteration, at the price of one more vector update (and, in finite precision,
+a slightly different rounding behaviour).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _common as C
+from ._common import Reason, SolverInfo
+from ._driver import krylov_solve
+
+METHODS = ("standard", "single_reduction")
+
+
+def cg(
+    A: Any,
+    b: Any,
+    x0: Any = None,
+    *,
+    tol: float | None = None,
+    rtol: float = 1e-5,
+    atol: float = 0.0,
+    maxiter: int | None = None,
+    M: Any = None,
+    layout: str = "replicated",
+    comm: Any = None,
+    method: str = "standard",
+    history: int = 0,
+    monitor: bool = False,
+) -> tuple[Any, SolverInfo]:
+    """Solve A x = b for Hermitian positive definite A by conjugate gradients.
+
+    A drop-in for ``jax.scipy.sparse.linalg.cg`` (positional ``A, b, x0``;
+    ``tol`` is an alias of ``rtol``) that runs across MPI ranks and reports
+    convergence.
+
+    Args:
+      A: a callable ``v -> A v`` on pytrees shaped like `b`, a dense square
+        array (replicated layout), or a distlinalg operator (its ``layout``
+        must match). In the sharded layout the callable maps this rank's block
+        of v to this rank's block of A v (it communicates as it needs).
+      b: right-hand side, a pytree of arrays. Replicated layout: the whole
+        vector, identical on every rank. Sharded: this rank's block of rows.
+      x0: initial guess shaped like `b` (default zeros); not differentiated.
+      rtol, atol: stop when ‖b − A x‖₂ ≤ max(rtol ‖b‖₂, atol) (global norms).
+      maxiter: iteration limit (default 10 × the global size).
+      M: preconditioner, a callable approximating A⁻¹ (HPD) in the same layout
+        (e.g. :func:`distlinalg.solvers.jacobi`); not differentiated.
+      layout: ``"replicated"`` or ``"sharded"`` (see distlinalg.solvers).
+      comm: mpi4py communicator (default distlinalg's).
+      method: ``"standard"`` (2 allreduces per iteration in the sharded
+        layout) or ``"single_reduction"`` (Chronopoulos–Gear, 1 allreduce).
+      history: keep the residual norms of the first `history` iterations.
+      monitor: print ``k KSP Residual norm r`` on rank 0 every iteration.
+
+    Returns:
+      ``(x, info)``: x shaped like `b` (same layout), and a
+      :class:`SolverInfo` identical on every rank. ``info.residual_norm`` is
+      the recurrence residual (not recomputed from b − A x).
+
+    AD: wrapped in ``lax.custom_linear_solve``: JVPs and gradients with
+    respect to b and to whatever A's matvec closes over (including values
+    that flow through collectives) cost one more CG solve with the same
+    operator; nothing is differentiated through the iterations. vmap over b
+    is not supported yet (the loop's stopping test would be batched).
+    """
+    comm, layout = C.resolve(comm, layout)
+    if method not in METHODS:
+        raise ValueError(f"distlinalg.cg: method must be one of {METHODS}, got {method!r}")
+    matvec = C.as_matvec(A, layout)
+    precond = C.identity if M is None else C.as_matvec(M, layout)
+    rtol, atol = C.resolve_tolerances(tol, rtol, atol)
+    if x0 is None:
+        x0 = jax.tree_util.tree_map(jnp.zeros_like, b)
+    C.check_same_structure(b, x0)
+    if maxiter is None:
+        maxiter = C.default_maxiter(b, layout, comm)
+    reductions = C.Reductions(layout, comm)
+    body = _standard if method == "standard" else _single_reduction
+
+    def iterate(mv, rhs, x_init, atol_scaled):
+        return body(mv, rhs, x_init, precond, rtol, atol_scaled, int(maxiter), reductions, history, monitor)
+
+    return krylov_solve(iterate, matvec, b, x0, atol=atol, reductions=reductions)
+
+
+def _status(rr_agreed: Any, threshold: Any, k: Any) -> Any:
+    return jnp.sqrt(rr_agreed) <= threshold
+
+
+def _standard(matvec, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, history, monitor):
+    real = lambda v: jnp.real(v)  # noqa: E731  (⟨·,·⟩ of HPD systems is real)
+    r = C.tree_sub(b, matvec(x0))
+    z = precond(r)
+    gamma, rr, bb = map(real, red.dots([(r, z), (r, r), (b, b)]))
+    threshold, from_atol = C.stopping_threshold(jnp.sqrt(bb), rtol, atol)
+    rr = red.agree(rr)
+    dtype = rr.dtype
+    hist = C.record(C.new_history(history, dtype), 0, jnp.sqrt(rr))
+    C.monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
+    nonfinite0 = ~jnp.isfinite(rr) | ~jnp.isfinite(gamma)
+    reason0 = jnp.where(nonfinite0, Reason.DIVERGED_NANORINF, Reason.ITERATING).astype(jnp.int32)
+    state = (x0, r, z, z, gamma, rr, jnp.int32(0), reason0, hist)
+
+    def keep_going(s):
+        *_, rr, k, reason, _ = s
+        return (reason == Reason.ITERATING) & (k < maxiter) & ~_status(rr, threshold, k)
+
+    def step(s):
+        x, r, z, p, gamma, rr, k, reason, hist = s
+        q = matvec(p)
+        (pq,) = map(real, red.dots([(p, q)]))
+        alpha = gamma / pq
+        x_new = C.tree_axpy(alpha, p, x)
+        r_new = C.tree_axpy(-alpha, q, r)
+        z_new = precond(r_new)
+        gamma_new, rr_new = map(real, red.dots([(r_new, z_new), (r_new, r_new)]))
+        failure = jnp.where(
+            ~jnp.isfinite(pq) | ~jnp.isfinite(rr_new) | ~jnp.isfinite(gamma_new),
+            Reason.DIVERGED_NANORINF,
+            jnp.where(
+                pq < 0,
+                Reason.DIVERGED_INDEFINITE_MAT,
+                jnp.where(pq == 0, Reason.DIVERGED_BREAKDOWN,
+                          jnp.where(gamma_new < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING)),
+            ),
+        )
+        rr_new, failure = _agree(red, rr_new, failure)
+        ok = failure == Reason.ITERATING
+        beta = gamma_new / gamma
+        p_new = C.tree_scale_add(z_new, beta, p)
+        keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        x, r, z, p, gamma, rr = keep((x_new, r_new, z_new, p_new, gamma_new, rr_new), (x, r, z, p, gamma, rr))
+        k = k + ok.astype(jnp.int32)
+        hist = C.record(hist, k, jnp.sqrt(rr)) if hist is not None else None
+        C.monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
+        return (x, r, z, p, gamma, rr, k, failure.astype(jnp.int32), hist)
+
+    x, _, _, _, _, rr, k, reason, hist = jax.lax.while_loop(keep_going, step, state)
+    converged = (reason == Reason.ITERATING) & _status(rr, threshold, k)
+    reason = C.finish_reason(from_atol, converged, k, maxiter, reason)
+    return x, SolverInfo(k, jnp.sqrt(rr), converged, reason, hist)
+
+
+def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, history, monitor):
+    real = lambda v: jnp.real(v)  # noqa: E731
+    r = C.tree_sub(b, matvec(x0))
+    u = precond(r)
+    w = matvec(u)
+    gamma, delta, rr, bb = map(real, red.dots([(r, u), (u, w), (r, r), (b, b)]))
+    threshold, from_atol = C.stopping_threshold(jnp.sqrt(bb), rtol, atol)
+    rr = red.agree(rr)
+    hist = C.record(C.new_history(history, rr.dtype), 0, jnp.sqrt(rr))
+    C.monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
+    alpha = gamma / delta
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, b)
+    reason0 = jnp.where(
+        ~jnp.isfinite(rr) | ~jnp.isfinite(gamma),
+        Reason.DIVERGED_NANORINF,
+        jnp.where(_status(rr, threshold, 0) | (delta > 0), Reason.ITERATING,
+                  jnp.where(delta < 0, Reason.DIVERGED_INDEFINITE_MAT, Reason.DIVERGED_BREAKDOWN)),
+    )
+    reason0 = _agree_failure(red, reason0.astype(jnp.int32))
+    state = (x0, r, u, w, zeros, zeros, alpha, jnp.zeros_like(gamma), gamma, delta, rr, jnp.int32(0),
+             reason0.astype(jnp.int32), hist)
+
+    def keep_going(s):
+        rr, k, reason = s[10], s[11], s[12]
+        return (reason == Reason.ITERATING) & (k < maxiter) & ~_status(rr, threshold, k)
+
+    def step(s):
+        x, r, u, w, p, sv, alpha, beta, gamma, delta, rr, k, reason, hist = s
+        p_new = C.tree_scale_add(u, beta, p)
+        s_new = C.tree_scale_add(w, beta, sv)
+        x_new = C.tree_axpy(alpha, p_new, x)
+        r_new = C.tree_axpy(-alpha, s_new, r)
+        u_new = precond(r_new)
+        w_new = matvec(u_new)
+        gamma_new, delta_new, rr_new = map(real, red.dots([(r_new, u_new), (u_new, w_new), (r_new, r_new)]))
+        beta_new = gamma_new / gamma
+        # ⟨p', A p'⟩ of the next direction; must stay positive for HPD A
+        # (once converged it may vanish harmlessly).
+        curvature = delta_new - beta_new * gamma_new / alpha
+        alpha_new = gamma_new / curvature
+        done = _status(rr_new, threshold, k)
+        failure = jnp.where(
+            ~jnp.isfinite(rr_new) | ~jnp.isfinite(gamma_new) | ~jnp.isfinite(delta_new),
+            Reason.DIVERGED_NANORINF,
+            jnp.where(
+                done,
+                Reason.ITERATING,
+                jnp.where(curvature < 0, Reason.DIVERGED_INDEFINITE_MAT,
+                          jnp.where(curvature == 0, Reason.DIVERGED_BREAKDOWN,
+                                    jnp.where(gamma_new < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING))),
+            ),
+        )
+        rr_new, failure = _agree(red, rr_new, failure)
+        ok = failure == Reason.ITERATING
+        keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        x, r, u, w, p, sv, alpha, beta, gamma, delta, rr = keep(
+            (x_new, r_new, u_new, w_new, p_new, s_new, alpha_new, beta_new, gamma_new, delta_new, rr_new),
+            (x, r, u, w, p, sv, alpha, beta, gamma, delta, rr),
+        )
+        k = k + ok.astype(jnp.int32)
+        hist = C.record(hist, k, jnp.sqrt(rr)) if hist is not None else None
+        C.monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
+        return (x, r, u, w, p, sv, alpha, beta, gamma, delta, rr, k, failure.astype(jnp.int32), hist)
+
+    out = jax.lax.while_loop(keep_going, step, state)
+    x, rr, k, reason, hist = out[0], out[10], out[11], out[12], out[13]
+    converged = (reason == Reason.ITERATING) & _status(rr, threshold, k)
+    reason = C.finish_reason(from_atol, converged, k, maxiter, reason)
+    return x, SolverInfo(k, jnp.sqrt(rr), converged, reason, hist)
+
+
+def _agree(red: C.Reductions, rr: Any, failure: Any) -> tuple[Any, Any]:
+    """Replicated layout: the stopping quantities made identical on every rank.
+
+    One fused allreduce (max) of (‖r‖², −code); failure codes are ≤ 0, so the
+    most negative wins everywhere. Sharded values already agree.
+    """
+    if red.layout == "sharded" or red.comm.size == 1:
+        return rr, failure
+    both = red.agree(jnp.stack([rr, -failure.astype(rr.dtype)]))
+    return both[0], (-both[1]).astype(jnp.int32)
+
+
+def _agree_failure(red: C.Reductions, failure: Any) -> Any:
+    if red.layout == "sharded" or red.comm.size == 1:
+        return failure
+    return -red.agree(-failure.astype(jnp.int32))

@@ -1,0 +1,184 @@
+"""MINRES across ranks (Paige & Saunders 1975), with shift and SPD preconditioner.
+
+Solves (A − σI) x = b for Hermitian A, possibly indefinite, or singular but
+consistent. The preconditioned Lanczos process builds v_k with
+⟨v_j, M⁻¹ v_k⟩ = δ_jk; Givens rotations turn the tridiagonal T_k into upper
+triangular form, and x is updated by a three-term recurrence of search
+directions, so each step costs one matvec, one preconditioner application and
+two inner products (⟨v, A v⟩, then the norm of the new Lanczos vector: two
+dependent reductions). The residual norm comes from the rotations (φ̄), not
+from an extra inner product; with a preconditioner it is the M-norm
+‖r‖_M = √⟨r, M r⟩, otherwise the 2-norm.
+
+    r₁ = b − (A − σ)x₀,  y = M r₁,  β₁ = √⟨r₁, y⟩,  φ̄ = β₁
+    for k = 1, 2, ...
+        v = y/β;  y = (A − σ)v − (β/β_old) r_old;  α = ⟨v, y⟩
+        y ← y − (α/β) r₂;  r_old, r₂ = r₂, y;  y = M r₂;  β_new = √⟨r₂, y⟩
+        rotate: δ = c d̄ + s α,  ḡ = s d̄ − c α,  ε' = s β_new,  d̄ = −c β_new
+                γ = ‖(ḡ, β_new)‖,  c = ḡ/γ,  s = β_new/γ,  φ = c φ̄,  φ̄ ← s φ̄
+        w = (v − ε w₁ − δ w₂)/γ;  x ← x + φ w
+        stop when φ̄ ≤ max(rtol ‖b‖_M, atol)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _common as C
+from ._common import Reason, SolverInfo
+from ._driver import krylov_solve
+
+
+def minres(
+    A: Any,
+    b: Any,
+    x0: Any = None,
+    *,
+    shift: float = 0.0,
+    tol: float | None = None,
+    rtol: float = 1e-5,
+    atol: float = 0.0,
+    maxiter: int | None = None,
+    M: Any = None,
+    layout: str = "replicated",
+    comm: Any = None,
+    history: int = 0,
+    monitor: bool = False,
+) -> tuple[Any, SolverInfo]:
+    """Solve (A − shift·I) x = b by MINRES for Hermitian, possibly indefinite A.
+
+    Args:
+      A, b, x0, layout, comm, maxiter, history, monitor: as for
+        :func:`distlinalg.solvers.cg`.
+      shift: σ in (A − σI) x = b (a static or traced scalar; not differentiated).
+      rtol, atol: stop when the recurrence residual φ̄ ≤ max(rtol ‖b‖, atol),
+        norms in the preconditioner's metric (‖r‖_M = √⟨r, M r⟩; the 2-norm
+        without M). ``tol`` is an alias of ``rtol``.
+      M: symmetric positive definite preconditioner (callable, ≈ A⁻¹); an
+        indefinite M stops the solve with ``Reason.DIVERGED_INDEFINITE_PC``.
+
+    Returns:
+      ``(x, info)`` as for cg; ``info.residual_norm`` is φ̄ (recurrence).
+      A singular but consistent system converges to a solution; when the
+      Krylov space is exhausted (β = 0) the reason is
+      ``CONVERGED_HAPPY_BREAKDOWN`` if the residual is not already below the
+      tolerance.
+
+    AD: ``lax.custom_linear_solve`` with the same operator (symmetric), so
+    gradients cost one more MINRES solve; derivatives with respect to the
+    shift are not propagated (it is treated as a constant).
+    """
+    comm, layout = C.resolve(comm, layout)
+    matvec = C.as_matvec(A, layout)
+    precond = C.identity if M is None else C.as_matvec(M, layout)
+    rtol, atol = C.resolve_tolerances(tol, rtol, atol)
+    if x0 is None:
+        x0 = jax.tree_util.tree_map(jnp.zeros_like, b)
+    C.check_same_structure(b, x0)
+    if maxiter is None:
+        maxiter = C.default_maxiter(b, layout, comm)
+    reductions = C.Reductions(layout, comm)
+    shift = jax.lax.stop_gradient(jnp.asarray(shift))
+
+    def shifted(v):
+        return C.tree_axpy(-shift, v, matvec(v))
+
+    def iterate(mv, rhs, x_init, atol_scaled):
+        # custom_linear_solve hands back `shifted` (or its transpose) as mv.
+        return _minres(mv, rhs, x_init, precond, rtol, atol_scaled, int(maxiter), reductions, history, monitor)
+
+    return krylov_solve(iterate, shifted, b, x0, atol=atol, reductions=reductions)
+
+
+def _minres(op, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, history, monitor):
+    real = jnp.real
+    r1 = C.tree_sub(b, op(x0))
+    y = precond(r1)
+    mb = precond(b) if precond is not C.identity else b
+    beta1_sq, bnorm_sq = map(real, red.dots([(r1, y), (b, mb)]))
+    dtype = beta1_sq.dtype
+    threshold, from_atol = C.stopping_threshold(jnp.sqrt(jnp.abs(bnorm_sq)), rtol, atol)
+    failure0 = jnp.where(
+        ~jnp.isfinite(beta1_sq), Reason.DIVERGED_NANORINF,
+        jnp.where(beta1_sq < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING),
+    ).astype(jnp.int32)
+    beta1 = jnp.sqrt(jnp.abs(beta1_sq))
+    phibar, failure0 = _agree(red, beta1, failure0)
+    hist = C.record(C.new_history(history, dtype), 0, phibar)
+    C.monitor_print("minres", red.comm, monitor, 0, phibar)
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, b)
+    one, zero = jnp.ones((), dtype), jnp.zeros((), dtype)
+    state = dict(
+        x=x0, r1=r1, r2=r1, y=y, w=zeros, w2=zeros,
+        beta=beta1, oldb=zero, dbar=zero, epsln=zero, phibar=phibar,
+        cs=-one, sn=zero, k=jnp.int32(0), reason=failure0, happy=jnp.bool_(False), hist=hist,
+    )
+
+    def keep_going(s):
+        return (s["reason"] == Reason.ITERATING) & ~s["happy"] & (s["k"] < maxiter) & ~(s["phibar"] <= threshold)
+
+    def step(s):
+        beta, oldb = s["beta"], s["oldb"]
+        v = C.tree_scale(1 / beta, s["y"])
+        y = op(v)
+        y = jax.lax.cond(
+            s["k"] >= 1,
+            lambda t: C.tree_axpy(-(beta / oldb), s["r1"], t),
+            lambda t: t,
+            y,
+        )
+        (alfa,) = map(real, red.dots([(v, y)]))
+        y = C.tree_axpy(-(alfa / beta), s["r2"], y)
+        r1, r2 = s["r2"], y
+        y = precond(r2)
+        (beta_new_sq,) = map(real, red.dots([(r2, y)]))
+        beta_new = jnp.sqrt(jnp.abs(beta_new_sq))
+        # Givens rotation of the new column of T_k.
+        cs, sn, dbar = s["cs"], s["sn"], s["dbar"]
+        oldeps = s["epsln"]
+        delta = cs * dbar + sn * alfa
+        gbar = sn * dbar - cs * alfa
+        epsln = sn * beta_new
+        dbar = -cs * beta_new
+        gamma = jnp.hypot(gbar, beta_new)
+        gamma = jnp.maximum(gamma, jnp.finfo(dtype).tiny)
+        cs = gbar / gamma
+        sn = beta_new / gamma
+        phi = cs * s["phibar"]
+        phibar = sn * s["phibar"]
+        w1, w2 = s["w2"], s["w"]
+        w = jax.tree_util.tree_map(lambda a, b_, c: (a - oldeps * b_ - delta * c) / gamma, v, w1, w2)
+        x = C.tree_axpy(phi, w, s["x"])
+        failure = jnp.where(
+            ~jnp.isfinite(alfa) | ~jnp.isfinite(beta_new_sq) | ~jnp.isfinite(phibar),
+            Reason.DIVERGED_NANORINF,
+            jnp.where(beta_new_sq < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING),
+        ).astype(jnp.int32)
+        phibar, failure = _agree(red, phibar, failure)
+        k = s["k"] + 1
+        hist = C.record(s["hist"], k, phibar) if s["hist"] is not None else None
+        C.monitor_print("minres", red.comm, monitor, k, phibar)
+        return dict(
+            x=x, r1=r1, r2=r2, y=y, w=w, w2=w2, beta=beta_new, oldb=beta, dbar=dbar, epsln=epsln,
+            phibar=phibar, cs=cs, sn=sn, k=k, reason=failure, happy=beta_new == 0, hist=hist,
+        )
+
+    s = jax.lax.while_loop(keep_going, step, state)
+    converged = (s["reason"] == Reason.ITERATING) & (s["phibar"] <= threshold)
+    reason = C.finish_reason(from_atol, converged, s["k"], maxiter, s["reason"])
+    happy = (reason == Reason.DIVERGED_MAX_IT) | (reason == Reason.ITERATING)
+    reason = jnp.where(s["happy"] & happy, Reason.CONVERGED_HAPPY_BREAKDOWN, reason).astype(jnp.int32)
+    converged = converged | (reason == Reason.CONVERGED_HAPPY_BREAKDOWN)
+    return s["x"], SolverInfo(s["k"], s["phibar"], converged, reason, s["hist"])
+
+
+def _agree(red: C.Reductions, value: Any, failure: Any) -> tuple[Any, Any]:
+    """Replicated layout: one fused max-allreduce of (φ̄, −code)."""
+    if red.layout == "sharded" or red.comm.size == 1:
+        return value, failure
+    both = red.agree(jnp.stack([value, -failure.astype(value.dtype)]))
+    return both[0], (-both[1]).astype(jnp.int32)

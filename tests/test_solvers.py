@@ -1,0 +1,267 @@
+"""CG and MINRES across ranks against numpy/scipy on the gathered global system."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from distlinalg.comm import allreduce
+from distlinalg.solvers import Reason, cg, jacobi, minres
+from conftest import gather_global
+
+N = 14
+
+
+def spd(seed=0, n=N, complex_=False):
+    rng = np.random.default_rng(seed)
+    Q = rng.standard_normal((n, n))
+    if complex_:
+        Q = Q + 1j * rng.standard_normal((n, n))
+    return Q @ Q.conj().T / n + np.diag(np.linspace(0.5, 3.0, n))
+
+
+def indefinite(seed=1, n=N):
+    rng = np.random.default_rng(seed)
+    Q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    eig = np.linspace(-2.0, 3.0, n)
+    eig[np.abs(eig) < 0.2] = 0.7
+    return (Q * eig) @ Q.T
+
+
+def rows_of(rank, size, n=N):
+    return np.array_split(np.arange(n), size)[rank]
+
+
+def sharded_operator(A, comm):
+    """This rank's rows of A; x's blocks assembled with one allreduce."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rows = rows_of(rank, size, A.shape[0])
+    block = jnp.asarray(A[rows])
+
+    def matvec(v):
+        full = allreduce(jnp.zeros(A.shape[0], v.dtype).at[rows].set(v), comm=comm)
+        return block @ full
+
+    return matvec, rows
+
+
+SOLVERS = {
+    "cg": lambda *a, **k: cg(*a, **k),
+    "cg1": lambda *a, **k: cg(*a, method="single_reduction", **k),
+    "minres": lambda *a, **k: minres(*a, **k),
+}
+
+
+@pytest.mark.parametrize("solver", list(SOLVERS))
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_spd_against_numpy(comm, rank, size, solver, layout):
+    A = spd()
+    b = np.random.default_rng(5).standard_normal(N)
+    exact = np.linalg.solve(A, b)
+    if layout == "replicated":
+        x, info = jax.jit(lambda b: SOLVERS[solver](A, b, rtol=1e-11, comm=comm))(b)
+        np.testing.assert_allclose(x, exact, rtol=1e-8)
+    else:
+        mv, rows = sharded_operator(A, comm)
+        x, info = jax.jit(lambda b: SOLVERS[solver](mv, b, rtol=1e-11, layout="sharded", comm=comm))(b[rows])
+        np.testing.assert_allclose(x, exact[rows], rtol=1e-8)
+    assert bool(info.converged) and int(info.reason) == Reason.CONVERGED_RTOL
+    assert 0 < int(info.iterations) <= 2 * N
+    # Identical info on every rank.
+    everyone = gather_global(np.array([info.iterations, info.residual_norm, info.reason], float), comm)
+    assert (everyone == everyone[0]).all()
+
+
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_minres_indefinite_with_shift_and_preconditioner(comm, rank, size, layout):
+    A = indefinite()
+    b = np.random.default_rng(6).standard_normal(N)
+    shift = 0.3
+    exact = np.linalg.solve(A - shift * np.eye(N), b)
+    d = np.abs(np.diag(A)) + 1.0
+    if layout == "replicated":
+        x, info = minres(A, b, shift=shift, M=jacobi(jnp.asarray(d)), rtol=1e-11, comm=comm)
+        np.testing.assert_allclose(x, exact, rtol=1e-7, atol=1e-9)
+    else:
+        mv, rows = sharded_operator(A, comm)
+        x, info = minres(mv, b[rows], shift=shift, M=jacobi(jnp.asarray(d[rows])), rtol=1e-11,
+                         layout="sharded", comm=comm)
+        np.testing.assert_allclose(x, exact[rows], rtol=1e-7, atol=1e-9)
+    assert bool(info.converged)
+
+
+def test_cg_on_indefinite_matrix_reports_it(comm):
+    A = indefinite()
+    b = np.random.default_rng(7).standard_normal(N)
+    for method in ["standard", "single_reduction"]:
+        _, info = cg(A, b, rtol=1e-12, comm=comm, method=method)
+        assert int(info.reason) == Reason.DIVERGED_INDEFINITE_MAT, (method, info)
+        assert not bool(info.converged)
+
+
+def test_against_scipy_with_preconditioner(comm):
+    import scipy.sparse.linalg as sla
+
+    A = spd(3)
+    b = np.random.default_rng(8).standard_normal(N)
+    d = np.diag(A)
+    ref, _ = sla.cg(A, b, rtol=1e-12, M=np.diag(1 / d))
+    x, info = cg(A, b, rtol=1e-12, M=jacobi(jnp.asarray(A)), comm=comm)
+    np.testing.assert_allclose(x, ref, rtol=1e-8)
+    ref, _ = sla.minres(A, b, rtol=1e-12)
+    x, info = minres(A, b, rtol=1e-12, comm=comm)
+    np.testing.assert_allclose(x, ref, rtol=1e-7)
+
+
+@pytest.mark.parametrize("solver", ["cg", "minres"])
+def test_complex_hermitian(comm, solver):
+    A = spd(4, complex_=True)
+    rng = np.random.default_rng(9)
+    b = rng.standard_normal(N) + 1j * rng.standard_normal(N)
+    x, info = SOLVERS[solver](A, b, rtol=1e-11, comm=comm)
+    np.testing.assert_allclose(x, np.linalg.solve(A, b), rtol=1e-8)
+    assert bool(info.converged)
+    # Gradient of a real loss w.r.t. a complex b: conj(A⁻ᵀ) applied to the
+    # loss's cotangent, as jax defines it for the dense solve.
+    c = rng.standard_normal(N)
+    loss = lambda solve: lambda b: jnp.real(jnp.vdot(c, solve(b)))  # noqa: E731
+    g = jax.grad(loss(lambda b: SOLVERS[solver](A, b, rtol=1e-12, comm=comm)[0]))(jnp.asarray(b))
+    g_ref = jax.grad(loss(lambda b: jnp.linalg.solve(A, b)))(jnp.asarray(b))
+    np.testing.assert_allclose(g, g_ref, rtol=1e-7)
+
+
+def test_pytree_rhs(comm):
+    A = spd(5)
+    b = np.random.default_rng(10).standard_normal(N)
+    split = 5
+
+    def mv(tree):
+        v = jnp.concatenate([tree["head"], tree["tail"]])
+        out = A @ v
+        return {"head": out[:split], "tail": out[split:]}
+
+    tree_b = {"head": b[:split], "tail": b[split:]}
+    for solve in (cg, minres):
+        x, info = solve(mv, tree_b, rtol=1e-11, comm=comm)
+        np.testing.assert_allclose(np.concatenate([x["head"], x["tail"]]), np.linalg.solve(A, b), rtol=1e-8)
+
+
+@pytest.mark.parametrize("solver", ["cg", "cg1", "minres"])
+def test_gradients_through_allreduce_operator(comm, rank, size, solver):
+    """Natural-gradient shape: S(θ) = Σ_r θ_r² G_r + λI, replicated vectors.
+
+    The matvec allreduces, so every rank's θ_r influences every rank's x.
+    Reference: the stacked global function of (θ_0..θ_{P-1}, λ) in jax.
+    """
+    rng = np.random.default_rng(20 + rank)
+    J = rng.standard_normal((6, N)) / 3
+    G = jnp.asarray(J.T @ J)
+    G_all = jnp.asarray(gather_global(G, comm))
+    b = np.random.default_rng(3).standard_normal(N)
+    c = np.random.default_rng(4).standard_normal(N)
+    theta, lam = 1.0 + 0.1 * rank, 0.5
+    thetas = jnp.asarray(gather_global(np.array(theta), comm))
+
+    def local(theta, lam, b):
+        mv = lambda v: allreduce(theta**2 * (G @ v), comm=comm) + lam * v  # noqa: E731
+        x, _ = SOLVERS[solver](mv, b, rtol=1e-13, comm=comm)
+        return jnp.dot(c, x)
+
+    def stacked(thetas, lam, b):
+        S = jnp.einsum("r,rij->ij", thetas**2, G_all) + lam * jnp.eye(N)
+        return size * jnp.dot(c, jnp.linalg.solve(S, b))  # Σ over ranks of identical losses
+
+    grads = jax.grad(local, argnums=(0, 1, 2))(theta, lam, jnp.asarray(b))
+    ref_theta, ref_lam, ref_b = jax.grad(stacked, argnums=(0, 1, 2))(thetas, lam, jnp.asarray(b))
+    np.testing.assert_allclose(grads[0], ref_theta[rank], rtol=1e-7)
+    # λ and b are replicated: each rank's copy gets its own path's share.
+    np.testing.assert_allclose(allreduce(grads[1], comm=comm), ref_lam, rtol=1e-7)
+    np.testing.assert_allclose(allreduce(grads[2], comm=comm), ref_b, rtol=1e-7)
+    # Forward mode: every rank moves its own θ_r by 1.
+    _, tangent = jax.jvp(lambda t: local(t, lam, jnp.asarray(b)), (theta,), (1.0,))
+    _, ref_tangent = jax.jvp(lambda t: stacked(t, lam, jnp.asarray(b)) / size, (thetas,), (jnp.ones(size),))
+    np.testing.assert_allclose(tangent, ref_tangent, rtol=1e-7)
+
+
+def test_gradient_sharded_layout(comm, rank, size):
+    A = spd(11)
+    b = np.random.default_rng(12).standard_normal(N)
+    c = np.random.default_rng(13).standard_normal(N)
+    mv, rows = sharded_operator(A, comm)
+
+    def local(scale, b_block):
+        x, _ = cg(lambda v: scale * mv(v), b_block, rtol=1e-13, layout="sharded", comm=comm)
+        return allreduce(jnp.dot(c[rows], x), comm=comm)  # replicated scalar loss
+
+    def reference(scale, b):
+        return jnp.dot(c, jnp.linalg.solve(scale * A, b))
+
+    g_scale, g_b = jax.grad(local, argnums=(0, 1))(2.0, jnp.asarray(b[rows]))
+    r_scale, r_b = jax.grad(reference, argnums=(0, 1))(2.0, jnp.asarray(b))
+    # Seeded 1 on each of the P ranks: P times the reference. Rank r's copy
+    # of the replicated scale multiplies only its own rows, so the copies'
+    # gradients sum to the gradient of the scale.
+    np.testing.assert_allclose(allreduce(g_scale, comm=comm), size * r_scale, rtol=1e-7)
+    np.testing.assert_allclose(g_b, size * r_b[rows], rtol=1e-7)
+
+
+def test_stopping_reasons(comm):
+    A = spd(14)
+    b = np.random.default_rng(15).standard_normal(N)
+    for solve in (cg, minres):
+        x, info = solve(A, b, rtol=1e-14, maxiter=3, comm=comm)
+        assert int(info.reason) == Reason.DIVERGED_MAX_IT and int(info.iterations) == 3
+        assert not bool(info.converged)
+        x, info = solve(A, np.zeros(N), comm=comm)
+        assert bool(info.converged) and int(info.iterations) == 0
+        np.testing.assert_array_equal(x, np.zeros(N))
+        exact = np.linalg.solve(A, b)
+        x, info = solve(A, b, x0=exact, rtol=1e-6, comm=comm)
+        assert bool(info.converged) and int(info.iterations) == 0
+        bad = b.copy()
+        bad[2] = np.nan
+        x, info = solve(A, bad, comm=comm)
+        assert int(info.reason) == Reason.DIVERGED_NANORINF and not bool(info.converged)
+        x, info = solve(A, b, atol=1e3, rtol=0.0, comm=comm)
+        assert int(info.reason) == Reason.CONVERGED_ATOL
+
+
+def test_history_and_monitor(comm, rank, capfd):
+    A = spd(16)
+    b = np.random.default_rng(17).standard_normal(N)
+    x, info = cg(A, b, rtol=1e-10, history=50, monitor=True, comm=comm)
+    jax.effects_barrier()
+    k = int(info.iterations)
+    hist = np.asarray(info.history)
+    assert np.isfinite(hist[: k + 1]).all() and np.isnan(hist[k + 1 :]).all()
+    np.testing.assert_allclose(hist[k], info.residual_norm)
+    out = capfd.readouterr().out
+    if rank == 0:
+        assert "KSP Residual norm" in out and out.count("KSP Residual norm") == k + 1
+    else:
+        assert "KSP Residual norm" not in out
+
+
+def test_bad_input(comm):
+    A = spd()
+    b = np.ones(N)
+    with pytest.raises(ValueError, match="same pytree structure"):
+        cg(A, {"a": b}, x0=b, comm=comm)
+    with pytest.raises(ValueError, match="square"):
+        cg(np.ones((N, N + 1)), b, comm=comm)
+    with pytest.raises(ValueError, match="layout"):
+        cg(A, b, layout="diagonal", comm=comm)
+    with pytest.raises(ValueError, match="replicated operator"):
+        minres(A, b, layout="sharded", comm=comm)
+
+    class ShardedOp:
+        layout = "sharded"
+
+        def matvec(self, v):
+            return v
+
+    with pytest.raises(ValueError, match="operator's layout is 'sharded'"):
+        cg(ShardedOp(), b, comm=comm)
+    np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [comm.Get_size()])
