@@ -265,3 +265,19 @@ def test_bad_input(comm):
     with pytest.raises(ValueError, match="operator's layout is 'sharded'"):
         cg(ShardedOp(), b, comm=comm)
     np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [comm.Get_size()])
+
+
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_vmap_over_right_hand_sides(comm, rank, size, layout):
+    A = spd(18)
+    B = np.random.default_rng(19).standard_normal((3, N))
+    B[1] *= 1e-3  # lanes converge at different iterations
+    exact = np.linalg.solve(A, B.T).T
+    if layout == "replicated":
+        x, info = jax.vmap(lambda b: cg(A, b, rtol=1e-11, comm=comm))(B)
+        np.testing.assert_allclose(x, exact, rtol=1e-8)
+    else:
+        mv, rows = sharded_operator(A, comm)
+        x, info = jax.vmap(lambda b: minres(mv, b, rtol=1e-11, layout="sharded", comm=comm))(B[:, rows])
+        np.testing.assert_allclose(x, exact[:, rows], rtol=1e-7)
+    assert np.asarray(info.converged).all() and info.iterations.shape == (3,)

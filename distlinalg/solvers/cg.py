@@ -81,7 +81,9 @@ def cg(
     respect to b and to whatever A's matvec closes over (including values
     that flow through collectives) cost one more CG solve with the same
     operator; nothing is differentiated through the iterations. vmap over b
-    is not supported yet (the loop's stopping test would be batched).
+    solves all right-hand sides in one loop (one message per reduction for
+    the whole batch) until every lane has stopped; each lane keeps its own
+    info.
     """
     comm, layout = C.resolve(comm, layout)
     if method not in METHODS:
