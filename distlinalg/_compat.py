@@ -45,12 +45,17 @@ def register_ordered_effect(effect_type: type) -> None:
 
     Ordered: XLA threads a token through every primitive carrying it, so the
     collectives run in program order and are never dropped as dead code.
+    Kept in partial evaluation: when linearizing, a tangent collective whose
+    result does not reach the outputs on this rank (a send, a value a rank
+    discards) stays in the linear program, so its transpose still runs here
+    while the other ranks' transposes wait for it.
     """
     _effects.ordered_effects.add_type(effect_type)
     _effects.lowerable_effects.add_type(effect_type)
     _effects.control_flow_allowed_effects.add_type(effect_type)
     _effects.custom_derivatives_allowed_effects.add_type(effect_type)
     _effects.remat_allowed_effects.add_type(effect_type)
+    _effects.partial_eval_kept_effects.add_type(effect_type)
 
 
 def apply_primitive(prim: Any, *args: Any, **params: Any) -> Any:

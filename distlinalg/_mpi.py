@@ -313,13 +313,20 @@ def check_rank(value: Any, comm: Communicator, what: str, opname: str, *, allow_
     return value
 
 
+# Point-to-point tags: user tags use the low 12 bits; derivative messages set
+# a flag bit so a tangent or adjoint message can never match a primal one.
+USER_TAG_LIMIT = 0x1000
+TANGENT_TAG_FLAG = 0x1000
+ADJOINT_TAG_FLAG = 0x2000
+
+
 def check_tag(value: Any, what: str, opname: str) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"distlinalg.{opname}: {what} must be a Python int, got {type(value).__name__}")
     value = int(value)
-    if not 0 <= value < 32765:
+    if not 0 <= value < USER_TAG_LIMIT:
         raise ValueError(
-            f"distlinalg.{opname}: {what}={value} out of range [0, 32764] (tags 32765 and "
-            "32766 are reserved for distlinalg's consistency checks)"
+            f"distlinalg.{opname}: {what}={value} out of range [0, {USER_TAG_LIMIT - 1}] (higher tags "
+            "carry distlinalg's derivative messages and consistency checks)"
         )
     return value

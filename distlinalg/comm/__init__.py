@@ -3,20 +3,28 @@
 Every operation takes an optional ``comm`` (an mpi4py intracommunicator;
 default: distlinalg's private duplicate of ``MPI.COMM_WORLD``), runs inside
 ``jax.jit`` and eagerly, and carries an ordered effect so XLA keeps the
-program order of all communication.
+program order of all communication. Each family lives in its own module with
+its abstract evaluation, lowering, JVP, transpose and batching rules.
 """
 
 from .._mpi import PROC_NULL, Communicator, ReduceOp, configure
+from .allgather import allgather, allgather_p
 from .allreduce import allreduce, allreduce_p
+from .alltoall import alltoall, alltoall_p
+from .barrier import barrier, barrier_p
+from .bcast import bcast, bcast_p
+from .gather import gather, gather_p
 from .info import rank, size
+from .p2p import recv, recv_p, send, send_p, sendrecv, sendrecv_p
+from .reduce import reduce, reduce_p
+from .reduce_scatter import reduce_scatter, reduce_scatter_p
+from .scan import exscan, scan, scan_p
+from .scatter import scatter, scatter_p
 
 __all__ = [
-    "PROC_NULL",
-    "Communicator",
-    "ReduceOp",
-    "configure",
-    "allreduce",
-    "allreduce_p",
-    "rank",
-    "size",
+    "PROC_NULL", "Communicator", "ReduceOp", "configure", "rank", "size",
+    "allreduce", "reduce", "bcast", "gather", "scatter", "allgather", "reduce_scatter",
+    "alltoall", "scan", "exscan", "send", "recv", "sendrecv", "barrier",
+    "allreduce_p", "reduce_p", "bcast_p", "gather_p", "scatter_p", "allgather_p",
+    "reduce_scatter_p", "alltoall_p", "scan_p", "send_p", "recv_p", "sendrecv_p", "barrier_p",
 ]

@@ -84,6 +84,11 @@ def bind(prim: Primitive, *args: Any, **params: Any) -> Any:
     return prim.bind(*args, **params)
 
 
+def is_top_level() -> bool:
+    """No transformation active: public functions may call `prim.impl`."""
+    return _compat.at_top_level()
+
+
 def as_array(x: Any) -> Any:
     """jnp.asarray, skipped for values that already are JAX arrays/tracers."""
     return x if isinstance(x, jax.Array) else jnp.asarray(x)

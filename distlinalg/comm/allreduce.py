@@ -34,28 +34,35 @@ def _allreduce_jvp(primals, tangents, *, comm: Communicator, op: ReduceOp):
     (x,), (t,) = primals, tangents
     y = allreduce_p.bind(x, comm=comm, op=op)
     t = _core.instantiate(t)
-    if op == ReduceOp.SUM:
-        scale = None
-    elif op == ReduceOp.PROD:
-        scale = _product_of_others(x, y, comm)
-    else:  # MIN / MAX: ties share the tangent equally
-        hit = (x == y).astype(t.dtype)
-        scale = hit / allreduce_p.bind(hit, comm=comm, op=ReduceOp.SUM)
-    dy = allreduce_p.bind(t if scale is None else scale * t, comm=comm, op=ReduceOp.SUM)
-    return y, dy
+    if op == ReduceOp.PROD:
+        t = product_of_others(x, comm) * t
+    elif op in (ReduceOp.MIN, ReduceOp.MAX):
+        t = tie_weights(x, y, comm, t.dtype) * t
+    return y, allreduce_p.bind(t, comm=comm, op=ReduceOp.SUM)
 
 
-def _product_of_others(x: Any, y: Any, comm: Communicator) -> Any:
-    """c_s = Π_{t≠s} x_t elementwise, exact when some x_t are zero."""
+def product_of_others(x: Any, comm: Communicator) -> Any:
+    """c_s = Π_{t≠s} x_t elementwise, exact when some x_t are zero.
+
+    Two allreduces (a zero count and the product of the nonzero entries)
+    choose between that product / x_s (no zero anywhere), the product itself
+    (x_s is the only zero) and 0 (two or more zeros); nothing divides by 0.
+    """
     is_zero = x == 0
     zeros = allreduce_p.bind(is_zero.astype(jnp.int32), comm=comm, op=ReduceOp.SUM)
-    nonzero_product = allreduce_p.bind(jnp.where(is_zero, jnp.ones_like(x), x), comm=comm, op=ReduceOp.PROD)
     safe_x = jnp.where(is_zero, jnp.ones_like(x), x)
+    nonzero_product = allreduce_p.bind(safe_x, comm=comm, op=ReduceOp.PROD)
     return jnp.where(
         zeros == 0,
-        nonzero_product / safe_x,  # no zero anywhere: y / x_s
+        nonzero_product / safe_x,
         jnp.where((zeros == 1) & is_zero, nonzero_product, jnp.zeros_like(x)),
     )
+
+
+def tie_weights(x: Any, extremum: Any, comm: Communicator, dtype: Any) -> Any:
+    """w = [x == y] / (number of ranks attaining y): ties share equally, as jnp.max."""
+    hit = (x == extremum).astype(dtype)
+    return hit / allreduce_p.bind(hit, comm=comm, op=ReduceOp.SUM)
 
 
 def _allreduce_transpose(ct, x, *, comm: Communicator, op: ReduceOp):

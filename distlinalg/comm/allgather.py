@@ -1,0 +1,65 @@
+"""allgather: every rank's array stacked on every rank.
+
+Shapes: x: s -> y: (size, *s), row r = rank r's x. AD: ẏ = AG(ẋ); transpose
+x̄_s = Σ_r ȳ_r[s], a sum reduce_scatter. vmap: the batch dimension moves
+behind the rank axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np  # noqa: F401
+
+from .._mpi import Communicator, ReduceOp, check_dtype, resolve_comm
+from . import _core
+from ._core import ad, batching
+
+allgather_p = _core.new_primitive("allgather")
+_core.def_abstract_eval(allgather_p, lambda x, *, comm: _core.shaped((comm.size, *x.shape), x.dtype))
+_core.register_lowering(allgather_p, "distlinalg_allgather", lambda *, comm: {"comm": _core.comm_attr(comm)})
+
+
+def _allgather_jvp(primals, tangents, *, comm: Communicator):
+    (x,), (t,) = primals, tangents
+    return allgather_p.bind(x, comm=comm), allgather_p.bind(_core.instantiate(t), comm=comm)
+
+
+def _allgather_transpose(ct, x, *, comm: Communicator):
+    from .reduce_scatter import reduce_scatter_p
+
+    return (reduce_scatter_p.bind(_core.instantiate(ct), comm=comm, op=ReduceOp.SUM),)
+
+
+def _allgather_batch(args, dims, *, comm: Communicator):
+    (x,), (d,) = args, dims
+    return allgather_p.bind(jnp.moveaxis(x, d, 0), comm=comm), 1
+
+
+ad.primitive_jvps[allgather_p] = _allgather_jvp
+ad.primitive_transposes[allgather_p] = _allgather_transpose
+batching.primitive_batchers[allgather_p] = _allgather_batch
+
+
+def allgather(x: Any, *, comm: Any = None) -> Any:
+    """Stack every rank's `x` on every rank.
+
+    Args:
+      x: array or pytree, same shapes and dtypes on every rank (shape s).
+      comm: mpi4py intracommunicator (default distlinalg's).
+
+    Returns:
+      Shape (size, *s): row r is rank r's x, identical on every rank.
+
+    AD: forward mode gathers the tangents; the transpose sums every rank's
+    cotangent row s onto rank s (a sum reduce_scatter).
+    """
+    comm = resolve_comm(comm)
+
+    def one(a):
+        a = _core.as_array(a)
+        check_dtype(a.dtype, "allgather")
+        return _core.bind(allgather_p, a, comm=comm)
+
+    return _core.tree_apply(one, x)

@@ -1,0 +1,84 @@
+"""scatter: row r of root's (size, *s) array goes to rank r.
+
+AD: ẏ = scatter(ẋ) (root's tangent); transpose: the cotangents gathered
+onto root (zeros on the other ranks, whose input was only a template).
+vmap: the batch dimension moves behind the rank axis before communicating.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from .._mpi import Communicator, check_dtype, check_rank, resolve_comm
+from . import _core
+from ._core import ad, batching
+
+scatter_p = _core.new_primitive("scatter")
+_core.def_abstract_eval(scatter_p, lambda x, *, comm, root: _core.shaped(x.shape[1:], x.dtype))
+_core.register_lowering(
+    scatter_p,
+    "distlinalg_scatter",
+    lambda *, comm, root: {"comm": _core.comm_attr(comm), "root": np.int32(root)},
+)
+
+
+def _scatter_jvp(primals, tangents, *, comm: Communicator, root: int):
+    (x,), (t,) = primals, tangents
+    return scatter_p.bind(x, comm=comm, root=root), scatter_p.bind(_core.instantiate(t), comm=comm, root=root)
+
+
+def _scatter_transpose(ct, x, *, comm: Communicator, root: int):
+    from .gather import gather_p
+
+    return (gather_p.bind(_core.instantiate(ct), comm=comm, root=root),)
+
+
+def _scatter_batch(args, dims, *, comm: Communicator, root: int):
+    (x,), (d,) = args, dims
+    # (size, B, *s): each rank's block carries the whole batch.
+    return scatter_p.bind(jnp.moveaxis(x, d, 1), comm=comm, root=root), 0
+
+
+ad.primitive_jvps[scatter_p] = _scatter_jvp
+ad.primitive_transposes[scatter_p] = _scatter_transpose
+batching.primitive_batchers[scatter_p] = _scatter_batch
+
+
+def check_leading_dim(a: Any, comm: Communicator, opname: str) -> None:
+    """Ops taking one block per rank need a leading axis of length size."""
+    shape = np.shape(a)
+    if len(shape) == 0 or shape[0] != comm.size:
+        raise ValueError(
+            f"distlinalg.{opname}: x must have shape (size, ...) = ({comm.size}, ...), one block per "
+            f"rank, got shape {tuple(shape)}"
+        )
+
+
+def scatter(x: Any, *, root: int = 0, comm: Any = None) -> Any:
+    """Send row r of root's `x` to rank r.
+
+    Args:
+      x: array or pytree of shape (size, *s). On root, the data; elsewhere a
+        shape/dtype template (pass the same traced value when differentiating).
+      root: the sending rank (a static int).
+      comm: mpi4py intracommunicator (default distlinalg's).
+
+    Returns:
+      Shape s: root's row `rank`.
+
+    AD: forward mode scatters root's tangent; the transpose gathers the
+    cotangents onto root (zeros on other ranks).
+    """
+    comm = resolve_comm(comm)
+    root = check_rank(root, comm, "root", "scatter")
+
+    def one(a):
+        a = _core.as_array(a)
+        check_dtype(a.dtype, "scatter")
+        check_leading_dim(a, comm, "scatter")
+        return _core.bind(scatter_p, a, comm=comm, root=root)
+
+    return _core.tree_apply(one, x)
