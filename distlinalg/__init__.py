@@ -7,8 +7,8 @@ helpers for exact gradients of replicated losses.
 
 from ._version import __version__
 from . import _mpi  # initialises MPI and registers the FFI handlers
-from . import comm, solvers
+from . import ad, comm, solvers
 from .comm import rank, size
 from .solvers import cg, minres
 
-__all__ = ["__version__", "comm", "solvers", "cg", "minres", "rank", "size"]
+__all__ = ["__version__", "ad", "comm", "solvers", "cg", "minres", "rank", "size"]
