@@ -71,3 +71,36 @@ def test_chunked_reductions_match(comm, rank, op, small_max_count):
     out = allreduce(jnp.asarray(x), op, comm=comm)
     ref = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max}[op](gather_global(x, comm), axis=0)
     np.testing.assert_allclose(out, ref, rtol=1e-13)
+
+
+def test_derived_datatype_paths_for_data_movement(comm, rank, size, small_max_count):
+    """Blocks above the per-call cap travel as one derived-datatype item."""
+    from distlinalg import comm as C
+
+    x = jnp.asarray(np.arange(23.0) + 100 * rank)  # 23 = 3 * 7 + 2: nested type + tail
+    G = gather_global(x, comm)
+    blocks = jnp.asarray((np.arange(size * 23.0) + 1000 * rank).reshape(size, 23))
+    B = gather_global(blocks, comm)
+    np.testing.assert_array_equal(C.bcast(x, root=size - 1, comm=comm), G[-1])
+    np.testing.assert_array_equal(C.allgather(x, comm=comm), G)
+    np.testing.assert_array_equal(C.gather(x, root=0, comm=comm), G if rank == 0 else 0 * G)
+    np.testing.assert_array_equal(C.scatter(blocks, root=0, comm=comm), B[0][rank])
+    np.testing.assert_array_equal(C.alltoall(blocks, comm=comm), B[:, rank])
+    np.testing.assert_array_equal(C.reduce_scatter(blocks, comm=comm), B[:, rank].sum(0))
+    np.testing.assert_array_equal(C.scan(x, comm=comm), G[: rank + 1].sum(0))
+    np.testing.assert_array_equal(C.reduce(x, "max", root=0, comm=comm), G.max(0) if rank == 0 else 0 * G[0])
+    got = C.sendrecv(x, x, (rank - 1) % size, (rank + 1) % size, comm=comm)
+    np.testing.assert_array_equal(got, G[(rank - 1) % size])
+
+
+def test_mismatched_point_to_point_is_reported(comm, rank, size, signature_checks):
+    from distlinalg import comm as C
+
+    if size == 1:
+        np.testing.assert_array_equal(C.sendrecv(jnp.ones(2), jnp.ones(2), 0, 0, comm=comm), np.ones(2))
+        return
+    # Each rank sends rank+2 elements to the right but expects 2 from the left.
+    send = jnp.ones(rank + 2)
+    with pytest.raises(Exception, match="sendrecv has mismatched buffers"):
+        C.sendrecv(send, jnp.ones(2), (rank - 1) % size, (rank + 1) % size, comm=comm).block_until_ready()
+    np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [size])

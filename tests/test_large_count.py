@@ -31,3 +31,11 @@ def test_allreduce_beyond_int_max(comm, rank, two_ranks):
     for index in (0, 2**31 - 2, 2**31 - 1, 2**31, BIG - 1):
         assert out[index] == 3, index
     assert (out == 3).all()
+
+
+def test_bcast_beyond_int_max(comm, rank, two_ranks):
+    from distlinalg.comm import bcast
+
+    x = jnp.full(BIG, 7 if rank == 1 else 0, jnp.uint8)
+    out = np.asarray(jax.jit(lambda a: bcast(a, root=1, comm=comm))(x))
+    assert out.shape == (BIG,) and out[0] == 7 and out[BIG - 1] == 7 and (out == 7).all()
