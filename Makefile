@@ -47,5 +47,8 @@ demo: setup
 	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python -m distlinalg
 	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python examples/allreduce_demo.py
 
+bench: setup
+	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python benchmarks/bench_comm.py --output benchmarks/results.md
+
 clean:
 	rm -rf build .mpitest

@@ -348,3 +348,26 @@ def test_bad_input_raises_on_every_rank(comm, rank, size):
         C.reduce(jnp.ones(2), "mean", comm=comm)
     # Still in step.
     np.testing.assert_allclose(C.allreduce(jnp.ones(1), comm=comm), [size])
+
+
+def test_transformations_linearize_linear_transpose_custom_jvp(comm, rank, size):
+    x = jnp.asarray(np.random.default_rng(rank).standard_normal(3))
+    G = jnp.asarray(gather_global(x, comm))
+
+    # linearize + linear_transpose of allgather: the transpose is reduce_scatter.
+    _, lin = jax.linearize(lambda a: C.allgather(a, comm=comm), x)
+    (back,) = jax.linear_transpose(lin, x)(jnp.ones((size, 3)) * (rank + 1))
+    np.testing.assert_allclose(back, np.full(3, size * (size + 1) / 2))
+
+    @jax.custom_jvp
+    def smooth_total(a):
+        return C.allreduce(jnp.sin(a), comm=comm)
+
+    @smooth_total.defjvp
+    def _(primals, tangents):
+        (a,), (t,) = primals, tangents
+        return smooth_total(a), C.allreduce(jnp.cos(a) * t, comm=comm)
+
+    g = jax.grad(lambda a: jnp.sum(smooth_total(a)))(x)
+    np.testing.assert_allclose(g, size * np.cos(x), rtol=1e-13)
+    np.testing.assert_allclose(jax.jit(smooth_total)(x), np.sin(G).sum(0), rtol=1e-13)
