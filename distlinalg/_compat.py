@@ -1,8 +1,8 @@
 """Every use of JAX API outside its stable public surface, in one place.
 
-Checked against jax/jaxlib 0.10.2 (this project's CPU machines) and written to
-the interfaces JAX 0.11-0.12 keep (the GPU machines). When JAX moves one of
-these, this is the only file to change.
+Checked against jax/jaxlib 0.10.2 (Python 3.11, this project's CPU machines)
+and 0.12 (Python 3.12, as on the GPU machines). When JAX moves one of these,
+this is the only file to change.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Any
 import jax
 from jax.interpreters import ad, batching, mlir  # semi-public modules
 
-from jax._src import dispatch as _dispatch  # private
 from jax._src import effects as _effects  # private
 from jax._src import core as _core  # private
 from jax._src.lib.mlir.dialects import hlo as _hlo  # private
@@ -20,7 +19,6 @@ from jax._src.lib.mlir.dialects import hlo as _hlo  # private
 __all__ = [
     "Effect",
     "register_ordered_effect",
-    "apply_primitive",
     "token_in",
     "set_token_out",
     "abstract_token",
@@ -56,11 +54,6 @@ def register_ordered_effect(effect_type: type) -> None:
     _effects.custom_derivatives_allowed_effects.add_type(effect_type)
     _effects.remat_allowed_effects.add_type(effect_type)
     _effects.partial_eval_kept_effects.add_type(effect_type)
-
-
-def apply_primitive(prim: Any, *args: Any, **params: Any) -> Any:
-    """Eager evaluation of a primitive (compiled once per parameter set)."""
-    return _dispatch.apply_primitive(prim, *args, **params)
 
 
 def at_top_level() -> bool:
