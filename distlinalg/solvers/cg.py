@@ -131,27 +131,29 @@ def _standard(matvec, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, hi
         x, r, z, p, gamma, rr, k, reason, hist = s
         q = matvec(p)
         (pq,) = map(real, red.dots([(p, q)]))
-        alpha = gamma / pq
-        x_new = C.tree_axpy(alpha, p, x)
-        r_new = C.tree_axpy(-alpha, q, r)
-        z_new = precond(r_new)
-        gamma_new, rr_new = map(real, red.dots([(r_new, z_new), (r_new, r_new)]))
+        curvature_failure = jnp.where(
+            ~jnp.isfinite(pq), Reason.DIVERGED_NANORINF,
+            jnp.where(pq < 0, Reason.DIVERGED_INDEFINITE_MAT,
+                      jnp.where(pq == 0, Reason.DIVERGED_BREAKDOWN, Reason.ITERATING)),
+        )
+        # A failed step must not move x: a zero step length keeps every
+        # vector as it was without a select over whole vectors.
+        alpha = jnp.where(curvature_failure == Reason.ITERATING, gamma / pq, jnp.zeros_like(pq))
+        x = C.tree_axpy(alpha, p, x)
+        r = C.tree_axpy(-alpha, q, r)
+        z = precond(r)
+        gamma_new, rr_new = map(real, red.dots([(r, z), (r, r)]))
         failure = jnp.where(
-            ~jnp.isfinite(pq) | ~jnp.isfinite(rr_new) | ~jnp.isfinite(gamma_new),
-            Reason.DIVERGED_NANORINF,
-            jnp.where(
-                pq < 0,
-                Reason.DIVERGED_INDEFINITE_MAT,
-                jnp.where(pq == 0, Reason.DIVERGED_BREAKDOWN,
-                          jnp.where(gamma_new < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING)),
-            ),
+            curvature_failure != Reason.ITERATING,
+            curvature_failure,
+            jnp.where(~jnp.isfinite(rr_new) | ~jnp.isfinite(gamma_new), Reason.DIVERGED_NANORINF,
+                      jnp.where(gamma_new < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING)),
         )
         rr_new, failure = _agree(red, rr_new, failure)
         ok = failure == Reason.ITERATING
-        beta = gamma_new / gamma
-        p_new = C.tree_scale_add(z_new, beta, p)
-        keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-        x, r, z, p, gamma, rr = keep((x_new, r_new, z_new, p_new, gamma_new, rr_new), (x, r, z, p, gamma, rr))
+        p = C.tree_scale_add(z, gamma_new / gamma, p)
+        gamma = jnp.where(ok, gamma_new, gamma)
+        rr = jnp.where(ok, rr_new, rr)
         k = k + ok.astype(jnp.int32)
         hist = C.record(hist, k, jnp.sqrt(rr)) if hist is not None else None
         C.monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
@@ -217,11 +219,11 @@ def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, red: C.Reduct
         )
         rr_new, failure = _agree(red, rr_new, failure)
         ok = failure == Reason.ITERATING
-        keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-        x, r, u, w, p, sv, alpha, beta, gamma, delta, rr = keep(
-            (x_new, r_new, u_new, w_new, p_new, s_new, alpha_new, beta_new, gamma_new, delta_new, rr_new),
-            (x, r, u, w, p, sv, alpha, beta, gamma, delta, rr),
-        )
+        # The update of this step used the previous, validated α; a failure
+        # detected now only stops the loop (no select over whole vectors).
+        x, r, u, w, p, sv = x_new, r_new, u_new, w_new, p_new, s_new
+        alpha, beta, gamma, delta = alpha_new, beta_new, gamma_new, delta_new
+        rr = jnp.where(ok, rr_new, rr)
         k = k + ok.astype(jnp.int32)
         hist = C.record(hist, k, jnp.sqrt(rr)) if hist is not None else None
         C.monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))

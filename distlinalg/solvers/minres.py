@@ -125,12 +125,9 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, history,
         beta, oldb = s["beta"], s["oldb"]
         v = C.tree_scale(1 / beta, s["y"])
         y = op(v)
-        y = jax.lax.cond(
-            s["k"] >= 1,
-            lambda t: C.tree_axpy(-(beta / oldb), s["r1"], t),
-            lambda t: t,
-            y,
-        )
+        # The three-term recurrence has no previous vector in the first step.
+        previous = jnp.where(s["k"] >= 1, beta / jnp.where(oldb == 0, 1, oldb), 0)
+        y = C.tree_axpy(-previous, s["r1"], y)
         (alfa,) = map(real, red.dots([(v, y)]))
         y = C.tree_axpy(-(alfa / beta), s["r2"], y)
         r1, r2 = s["r2"], y
