@@ -225,6 +225,33 @@ def resolve(comm: Any, layout: str) -> tuple[Communicator, str]:
     return resolve_comm(comm), check_layout(layout)
 
 
+class Problem(NamedTuple):
+    """A solve's validated inputs (shared by every method)."""
+
+    matvec: Callable[[Any], Any]
+    precond: Callable[[Any], Any]
+    x0: Any
+    rtol: Any
+    atol: Any
+    maxiter: int
+    reductions: Reductions
+
+
+def setup(A: Any, b: Any, x0: Any, M: Any, tol: Any, rtol: Any, atol: Any, maxiter: Any,
+          layout: str, comm: Any) -> Problem:
+    """Resolve and check the arguments common to cg and minres (trace time)."""
+    comm, layout = resolve(comm, layout)
+    matvec = as_matvec(A, layout)
+    precond = identity if M is None else as_matvec(M, layout)
+    rtol, atol = resolve_tolerances(tol, rtol, atol)
+    if x0 is None:
+        x0 = jax.tree_util.tree_map(jnp.zeros_like, b)
+    check_same_structure(b, x0)
+    if maxiter is None:
+        maxiter = default_maxiter(b, layout, comm)
+    return Problem(matvec, precond, x0, rtol, atol, int(maxiter), Reductions(layout, comm))
+
+
 __all__ = [
     "Reason",
     "SolverInfo",

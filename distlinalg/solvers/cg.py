@@ -85,24 +85,15 @@ def cg(
     the whole batch) until every lane has stopped; each lane keeps its own
     info.
     """
-    comm, layout = C.resolve(comm, layout)
     if method not in METHODS:
         raise ValueError(f"distlinalg.cg: method must be one of {METHODS}, got {method!r}")
-    matvec = C.as_matvec(A, layout)
-    precond = C.identity if M is None else C.as_matvec(M, layout)
-    rtol, atol = C.resolve_tolerances(tol, rtol, atol)
-    if x0 is None:
-        x0 = jax.tree_util.tree_map(jnp.zeros_like, b)
-    C.check_same_structure(b, x0)
-    if maxiter is None:
-        maxiter = C.default_maxiter(b, layout, comm)
-    reductions = C.Reductions(layout, comm)
+    p = C.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
     body = _standard if method == "standard" else _single_reduction
 
     def iterate(mv, rhs, x_init, atol_scaled):
-        return body(mv, rhs, x_init, precond, rtol, atol_scaled, int(maxiter), reductions, history, monitor)
+        return body(mv, rhs, x_init, p.precond, p.rtol, atol_scaled, p.maxiter, p.reductions, history, monitor)
 
-    return krylov_solve(iterate, matvec, b, x0, atol=atol, reductions=reductions)
+    return krylov_solve(iterate, p.matvec, b, p.x0, atol=p.atol, reductions=p.reductions)
 
 
 def _status(rr_agreed: Any, threshold: Any, k: Any) -> Any:

@@ -71,26 +71,17 @@ def minres(
     gradients cost one more MINRES solve; derivatives with respect to the
     shift are not propagated (it is treated as a constant).
     """
-    comm, layout = C.resolve(comm, layout)
-    matvec = C.as_matvec(A, layout)
-    precond = C.identity if M is None else C.as_matvec(M, layout)
-    rtol, atol = C.resolve_tolerances(tol, rtol, atol)
-    if x0 is None:
-        x0 = jax.tree_util.tree_map(jnp.zeros_like, b)
-    C.check_same_structure(b, x0)
-    if maxiter is None:
-        maxiter = C.default_maxiter(b, layout, comm)
-    reductions = C.Reductions(layout, comm)
+    p = C.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
     shift = jax.lax.stop_gradient(jnp.asarray(shift))
 
     def shifted(v):
-        return C.tree_axpy(-shift, v, matvec(v))
+        return C.tree_axpy(-shift, v, p.matvec(v))
 
     def iterate(mv, rhs, x_init, atol_scaled):
         # custom_linear_solve hands back `shifted` (or its transpose) as mv.
-        return _minres(mv, rhs, x_init, precond, rtol, atol_scaled, int(maxiter), reductions, history, monitor)
+        return _minres(mv, rhs, x_init, p.precond, p.rtol, atol_scaled, p.maxiter, p.reductions, history, monitor)
 
-    return krylov_solve(iterate, shifted, b, x0, atol=atol, reductions=reductions)
+    return krylov_solve(iterate, shifted, b, p.x0, atol=p.atol, reductions=p.reductions)
 
 
 def _minres(op, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, history, monitor):
