@@ -84,9 +84,6 @@ def bind(prim: Primitive, *args: Any, **params: Any) -> Any:
     return prim.bind(*args, **params)
 
 
-def is_top_level() -> bool:
-    """No transformation active: public functions may call `prim.impl`."""
-    return _compat.at_top_level()
 
 
 def as_array(x: Any) -> Any:
@@ -205,12 +202,6 @@ def moveaxis_or_broadcast(x: Any, bdim: Any, target: int, size: int) -> Any:
 not_mapped = _compat.not_mapped
 
 
-def inexact(dtype: Any) -> bool:
-    return bool(jnp.issubdtype(dtype, jnp.inexact))
-
-
-def float0_zeros(aval: Any) -> Any:
-    return np.zeros(aval.shape, jax.dtypes.float0)
 
 
 def tree_apply(fn: Callable[[Any], Any], tree: Any) -> Any:
@@ -232,7 +223,6 @@ __all__ = [
     "is_undefined",
     "moveaxis_or_broadcast",
     "not_mapped",
-    "inexact",
     "tree_apply",
     "ad",
     "batching",

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np  # noqa: F401
 
 from .._mpi import Communicator, ReduceOp, check_dtype, resolve_comm
 from . import _core
