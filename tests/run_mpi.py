@@ -4,7 +4,8 @@
     python tests/run_mpi.py --ranks 1 2 3 -- [pytest args]
     python tests/run_mpi.py --mpiexec-only -n 2 -- python script.py
 
-Each rank writes its own log (.mpitest/n<N>/rank<r>.log). Rank 0's log is
+Each rank writes its own log (.mpitest/n<N>/rank<r>.log, or under
+$MPITEST_LOGS so that concurrent runs do not overwrite each other's). Rank 0's log is
 shown; a rank that fails has its log shown too. pytest-timeout bounds every
 test (a deadlock fails that test, names it and dumps the rank's stacks), and
 a wall-clock limit on the whole mpiexec run catches anything else.
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LOGS = ROOT / ".mpitest"
+LOGS = Path(os.environ.get("MPITEST_LOGS", ROOT / ".mpitest"))  # per-checkout by default
 RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
 
 

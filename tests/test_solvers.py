@@ -264,7 +264,7 @@ def test_bad_input(comm):
             return v
 
     with pytest.raises(ValueError, match="operator's layout is 'sharded'"):
-        cg(ShardedOp(), b, comm=comm)
+        cg(ShardedOp(), b, layout="replicated", comm=comm)
     np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [comm.Get_size()])
 
 

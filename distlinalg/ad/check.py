@@ -1,17 +1,26 @@
 """check_grads: the distributed analogue of jax.test_util.check_grads.
 
-Derivatives of an SPMD program are checked as derivatives of the global
-function F(x_0, ..., x_{P-1}) = (y_0, ..., y_{P-1}):
-  * forward mode: every rank perturbs its own inputs along its own random
-    direction at the same time; the JVP is compared with central finite
-    differences of the global function;
-  * reverse mode: the global dot-product test Σ_r ⟨ū_r, (J v)_r⟩ =
-    Σ_r ⟨(Jᵀ ū)_r, v_r⟩, both sums allreduced (J v by central differences of
-    the global function), which catches any transpose rule that is not the
-    adjoint of the program, on any number of ranks;
-  * order 2 recurses on the JVP and VJP functions.
-Every comparison is made on allreduced quantities, so all ranks reach the
-same verdict and raise together.
+Derivatives of an SPMD program are derivatives of the global function
+F(x_0, ..., x_{P-1}) = (y_0, ..., y_{P-1}), rank r holding x_r and y_r:
+
+* forward mode: every rank draws its own random direction ẋ_r and all ranks
+  perturb their inputs at the same time (x_r ± eps·ẋ_r), which evaluates
+  the global function at x ± eps·ẋ; each rank compares its own output's JVP
+  with the central difference;
+* reverse mode: the global dot-product test
+  Σ_r ⟨ȳ_r, (J ẋ)_r⟩ = Σ_r ⟨(Jᵀ ȳ)_r, ẋ_r⟩ with random ȳ_r and ẋ_r per rank,
+  both sums allreduced, J ẋ by central differences (so a custom_vjp without
+  forward rules can be checked). A transpose rule that is not the adjoint of
+  the program (an identity transpose of allreduce) fails it on two or more
+  ranks, even though every rank's own arithmetic looks plausible;
+* order n > 1 recurses on the JVP function (in its primals and tangents)
+  and on the VJP function (cotangent = the primal output), as
+  jax.test_util.check_grads does.
+
+Every verdict is made on numbers that all ranks hold identically (each
+rank's contribution travels in its own slot of an allreduce and the sums are
+formed in rank order on every rank), so the ranks pass or raise together and
+stay in step for the next collective.
 """
 
 from __future__ import annotations
@@ -23,44 +32,197 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import resolve_comm
+from .._mpi import Communicator, resolve_comm
 from ..comm.allreduce import allreduce
+
+_NAME = "distlinalg.ad.check_grads"
+
+# (finite-difference step, tolerance) by the lowest precision among the
+# inputs and outputs: the central difference loses ~ machine-eps/step
+# relative digits to rounding and ~ step² to truncation.
+_DEFAULTS = {
+    8: (1e-5, 1e-5),  # float64 / complex128
+    4: (1e-3, 2e-3),  # float32 / complex64
+    2: (5e-2, 2e-2),  # float16
+    1: (1e-1, 1e-1),  # bfloat16 (wider exponent, 8-bit mantissa)
+}
+
+
+def _precision_class(dtype: Any) -> int:
+    dtype = np.dtype(dtype)
+    if dtype == jnp.bfloat16:
+        return 1
+    real = np.finfo(dtype).dtype if np.issubdtype(dtype, np.complexfloating) else dtype
+    return min(np.dtype(real).itemsize, 8)
 
 
 def _leaves(tree: Any) -> list[Any]:
     return jax.tree_util.tree_leaves(tree)
 
 
-def _random_like(tree: Any, seed: int) -> Any:
-    rng = np.random.default_rng(seed)
+def _check_inexact(tree: Any, what: str, where: str) -> None:
+    for leaf in _leaves(tree):
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"{_NAME}: {where}: {what} must be floating or complex arrays, got a leaf of dtype {dtype}"
+            )
 
-    def one(x):
-        x = jnp.asarray(x)
-        if jnp.issubdtype(x.dtype, jnp.complexfloating):
-            return jnp.asarray(rng.standard_normal(x.shape) + 1j * rng.standard_normal(x.shape), x.dtype)
-        return jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+
+def _random_like(tree: Any, rng: np.random.Generator) -> Any:
+    def one(x: Any) -> Any:
+        dtype = jnp.result_type(x)
+        shape = np.shape(x)
+        sample = rng.standard_normal(shape)
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            sample = sample + 1j * rng.standard_normal(shape)
+        return jnp.asarray(sample, dtype)
 
     return jax.tree_util.tree_map(one, tree)
 
 
-def _dot(a: Any, b: Any) -> Any:
-    """Σ a·b over leaves, without conjugation (JAX's transpose convention)."""
-    parts = [jnp.sum(jnp.asarray(x) * jnp.asarray(y)) for x, y in zip(_leaves(a), _leaves(b))]
-    return sum(parts[1:], parts[0]) if parts else jnp.zeros(())
+def _step(tree: Any, scale: float, direction: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x, d: x + (scale * d).astype(jnp.result_type(x)), tree, direction)
 
 
-def _axpy(alpha: Any, x: Any, y: Any) -> Any:
-    return jax.tree_util.tree_map(lambda a, b: b + (alpha * a).astype(b.dtype), x, y)
+def _real_pairing(a: Any, b: Any) -> float:
+    """Re Σ a·b over all leaves, in float64 on the host.
+
+    JAX transposes with respect to this real bilinear pairing (no conjugate),
+    which makes the dot-product identity exact for non-holomorphic complex
+    functions too.
+    """
+    total = 0.0
+    for x, y in zip(_leaves(a), _leaves(b), strict=True):
+        x = np.asarray(x)
+        y = np.asarray(y)
+        wide = np.complex128 if np.iscomplexobj(x) or np.iscomplexobj(y) else np.float64
+        total += float(np.real(np.sum(x.astype(wide) * y.astype(wide))))
+    return total
 
 
-def _default_tolerance(args: Any) -> float:
-    low = any(jnp.asarray(x).dtype in (jnp.float32, jnp.complex64, jnp.float16, jnp.bfloat16) for x in _leaves(args))
-    return 2e-2 if low else 1e-5
+class _Checker:
+    def __init__(self, comm: Communicator, modes: tuple[str, ...], atol: Any, rtol: Any, eps: Any):
+        self.comm = comm
+        self.modes = modes
+        self.atol, self.rtol, self.eps = atol, rtol, eps
+        # Different directions on every rank (the global direction must not be
+        # replicated: that would hide errors in how ranks' inputs mix), the
+        # same sequence of draws on every call.
+        self.rng = np.random.default_rng([0x5EED, comm.rank])
 
+    # ------------------------------------------------------------------
+    def per_rank(self, row: Sequence[float]) -> np.ndarray:
+        """Every rank's `row`, stacked (P, k), identical on all ranks.
 
-def _default_eps(args: Any) -> float:
-    low = any(jnp.asarray(x).dtype in (jnp.float32, jnp.complex64, jnp.float16, jnp.bfloat16) for x in _leaves(args))
-    return 1e-2 if low else 1e-5
+        Each rank writes only its own slot (x + 0 = x exactly), so the
+        allreduce is bitwise the same everywhere whatever the reduction order.
+        """
+        table = np.zeros((self.comm.size, len(row)), np.float64)
+        table[self.comm.rank] = row
+        return np.asarray(allreduce(jnp.asarray(table), "sum", comm=self.comm), np.float64)
+
+    def tolerances(self, *trees: Any) -> tuple[float, float, float]:
+        classes = [_precision_class(jnp.result_type(x)) for tree in trees for x in _leaves(tree)]
+        step, tol = _DEFAULTS[min(classes, default=8)]
+        atol = tol if self.atol is None else self.atol
+        rtol = tol if self.rtol is None else self.rtol
+        eps = step if self.eps is None else self.eps
+        return atol, rtol, eps
+
+    def central_difference(self, f: Callable[..., Any], args: tuple, direction: Any, eps: float) -> Any:
+        plus = f(*_step(args, eps, direction))
+        minus = f(*_step(args, -eps, direction))
+        return jax.tree_util.tree_map(lambda p, m: (p - m) / (2 * eps), plus, minus)
+
+    # ------------------------------------------------------------------
+    def compare(self, what: str, got: Any, expected: Any, atol: float, rtol: float) -> None:
+        """Elementwise |got - expected| <= atol + rtol |expected| on every rank."""
+        worst_ratio, worst_error = 0.0, 0.0
+        got_leaves, expected_leaves = _leaves(got), _leaves(expected)
+        if len(got_leaves) != len(expected_leaves):
+            worst_ratio = np.inf
+        for g, e in zip(got_leaves, expected_leaves):
+            g = np.asarray(g).astype(np.complex128 if np.iscomplexobj(g) else np.float64)
+            e = np.asarray(e).astype(np.complex128 if np.iscomplexobj(e) else np.float64)
+            if g.shape != e.shape:
+                worst_ratio = np.inf
+                continue
+            if not g.size:
+                continue
+            with np.errstate(invalid="ignore"):
+                error = np.where(g == e, 0.0, np.abs(g - e))
+            error = np.where(np.isnan(error), np.inf, error)
+            ratio = error / (atol + rtol * np.abs(e))
+            worst_ratio = max(worst_ratio, float(np.max(ratio)))
+            worst_error = max(worst_error, float(np.max(error)))
+        table = self.per_rank([worst_ratio, worst_error])
+        failing = [r for r in range(self.comm.size) if not table[r, 0] <= 1.0]
+        if failing:
+            worst = int(np.argmax(np.where(np.isnan(table[:, 0]), np.inf, table[:, 0])))
+            raise AssertionError(
+                f"{_NAME}: {what}: not within atol={atol:g} + rtol={rtol:g}·|expected| on "
+                f"rank(s) {failing} of {self.comm.size}; largest |error| {table[worst, 1]:.3e} "
+                f"on rank {worst}, where it is {table[worst, 0]:.3g} times the tolerance"
+            )
+
+    def check_jvp(self, f: Callable[..., Any], args: tuple, label: str) -> None:
+        direction = _random_like(args, self.rng)
+        out, tangent_out = jax.jvp(f, args, direction)
+        _check_inexact(out, "the outputs", label)
+        atol, rtol, eps = self.tolerances(args, out)
+        self.compare(f"forward mode ({label}): primal output of jax.jvp vs the function", out, f(*args), atol, rtol)
+        expected = self.central_difference(f, args, direction, eps)
+        self.compare(
+            f"forward mode ({label}): JVP vs central finite differences of the global function "
+            f"(every rank perturbed along its own direction, eps={eps:g})",
+            tangent_out,
+            expected,
+            atol,
+            rtol,
+        )
+
+    def check_vjp(self, f: Callable[..., Any], args: tuple, label: str) -> None:
+        out, pullback = jax.vjp(f, *args)
+        _check_inexact(out, "the outputs", label)
+        atol, rtol, eps = self.tolerances(args, out)
+        direction = _random_like(args, self.rng)
+        cotangent = _random_like(out, self.rng)
+        forward = self.central_difference(f, args, direction, eps)
+        backward = pullback(cotangent)
+        table = self.per_rank([_real_pairing(cotangent, forward), _real_pairing(backward, direction)])
+        expected, got = float(np.sum(table[:, 0])), float(np.sum(table[:, 1]))
+        bound = atol + rtol * abs(expected)
+        if not abs(got - expected) <= bound:
+            raise AssertionError(
+                f"{_NAME}: reverse mode ({label}): global dot-product test failed: "
+                f"Σ_r ⟨ȳ_r, (J ẋ)_r⟩ = {expected:.10g} (finite differences, eps={eps:g}) but "
+                f"Σ_r ⟨(Jᵀ ȳ)_r, ẋ_r⟩ = {got:.10g} (VJP); |difference| {abs(got - expected):.3e} > "
+                f"atol={atol:g} + rtol={rtol:g}·{abs(expected):.3e}. The VJP is not the adjoint of "
+                f"the SPMD program's derivative (per-rank terms ⟨ȳ, J ẋ⟩: {table[:, 0].tolist()}, "
+                f"⟨Jᵀ ȳ, ẋ⟩: {table[:, 1].tolist()})"
+            )
+
+    # ------------------------------------------------------------------
+    def run(self, f: Callable[..., Any], args: tuple, order: int, label: str) -> None:
+        _check_inexact(args, "the arguments", label)
+        if "fwd" in self.modes:
+            self.check_jvp(f, args, label)
+            if order > 1:
+
+                def jvp_fun(primals: tuple, tangents: tuple) -> Any:
+                    return jax.jvp(f, primals, tangents)
+
+                self.run(jvp_fun, (args, args), order - 1, f"JVP of {label}")
+        if "rev" in self.modes:
+            self.check_vjp(f, args, label)
+            if order > 1:
+
+                def vjp_fun(*primals: Any) -> Any:
+                    out, pullback = jax.vjp(f, *primals)
+                    return pullback(out)
+
+                self.run(vjp_fun, args, order - 1, f"VJP of {label}")
 
 
 def check_grads(
@@ -74,84 +236,57 @@ def check_grads(
     eps: float | None = None,
     comm: Any = None,
 ) -> None:
-    """Check f's JVP and VJP against the global SPMD function.
+    """Check f's JVP and VJP as derivatives of the global SPMD function.
+
+    Every rank calls ``check_grads`` together with its own `args`; `f` is
+    called (eagerly, several times) on every rank with the same structure.
 
     Args:
-      f: any function of rank-local pieces ``f(*args)`` (arrays or pytrees in,
-        arrays or pytrees out) that every rank calls together.
-      args: this rank's inputs (floating or complex).
-      order: 1 or 2 (2 also checks the derivatives of the derivatives).
-      modes: any of ``"fwd"`` (finite differences) and ``"rev"`` (dot-product
-        test).
-      atol, rtol: tolerances on the global (allreduced) discrepancy; default
-        1e-5 in double and 2e-2 in single precision.
-      eps: finite-difference step (default 1e-5 double, 1e-2 single).
-      comm: communicator of the program (default distlinalg's).
+      f: any function of rank-local pieces, ``f(*args)``: pytrees of floating
+        or complex arrays in and out, with any communication inside. Its
+        inputs and outputs on rank r are x_r and y_r of the global function
+        F(x_0, ..., x_{P-1}) = (y_0, ..., y_{P-1}).
+      args: this rank's positional arguments.
+      order: check derivatives up to this order (>= 1). Order n recurses on
+        the JVP function ``(primals, tangents) -> jax.jvp(f, primals,
+        tangents)`` and on ``primals -> vjp(primals)(f(primals))``.
+      modes: ``"fwd"``: each rank's JVP against central finite differences of
+        the global function, all ranks perturbing their inputs along their
+        own random directions at once (and the JVP's primal output against
+        f). ``"rev"``: the global dot-product test Σ_r ⟨ȳ_r, (J ẋ)_r⟩ =
+        Σ_r ⟨(Jᵀ ȳ)_r, ẋ_r⟩ (real part of the unconjugated pairing, JAX's
+        transpose convention), random ȳ_r and ẋ_r on every rank, sums
+        allreduced, J ẋ by central differences.
+      atol, rtol: tolerances, elementwise ``|got - expected| <= atol + rtol
+        |expected|`` in forward mode, on the two global sums in reverse mode.
+        Default by the lowest precision among inputs and outputs: 1e-5
+        (64-bit), 2e-3 (32-bit), 2e-2 (float16), 1e-1 (bfloat16).
+      eps: finite-difference step along the random directions (entries of
+        unit variance). Default 1e-5, 1e-3, 5e-2, 1e-1 respectively.
+      comm: the communicator of the program (default: distlinalg's).
 
     Raises:
-      AssertionError on every rank if any check fails, naming the check, the
-      global discrepancy and the tolerance.
+      AssertionError on every rank (together) when a check fails anywhere,
+      naming the check (mode, order: "JVP of VJP of f" ...), the failing ranks,
+      the error and the tolerance. TypeError / ValueError on every rank for
+      bad arguments (integer inputs or outputs, unknown modes, order < 1).
+
+    Directions are drawn from a generator seeded with the rank, so a check is
+    reproducible and every rank's direction differs.
     """
     communicator = resolve_comm(comm)
-    args = tuple(args)
-    tol = _default_tolerance(args)
-    atol = tol if atol is None else atol
-    rtol = tol if rtol is None else rtol
-    eps = _default_eps(args) if eps is None else eps
-    for mode in modes:
+    mode_tuple = (modes,) if isinstance(modes, str) else tuple(modes)
+    if not mode_tuple:
+        raise ValueError(f"{_NAME}: modes is empty; use 'fwd' and/or 'rev'")
+    for mode in mode_tuple:
         if mode not in ("fwd", "rev"):
-            raise ValueError(f"distlinalg.ad.check_grads: unknown mode {mode!r}")
-    if order not in (1, 2):
-        raise ValueError("distlinalg.ad.check_grads: order must be 1 or 2")
-    seed = 7919 * communicator.rank + 17 * order
-
-    def global_sum(value: Any) -> Any:
-        return allreduce(jnp.asarray(value), "sum", comm=communicator)
-
-    def verdict(name: str, got: Any, expected: Any, scale: Any) -> None:
-        discrepancy = float(jnp.sqrt(global_sum(jnp.sum(jnp.abs(got - expected) ** 2))))
-        size = float(jnp.sqrt(global_sum(jnp.sum(jnp.abs(scale) ** 2))))
-        bound = atol + rtol * size
-        if not discrepancy <= bound:
-            raise AssertionError(
-                f"distlinalg.ad.check_grads ({name}, order {order}): global discrepancy "
-                f"{discrepancy:.3e} exceeds {bound:.3e} (atol {atol:g} + rtol {rtol:g} × {size:.3e})"
-            )
-
-    direction = _random_like(args, seed)
-
-    def finite_difference() -> Any:
-        plus = f(*_axpy(eps, direction, args))
-        minus = f(*_axpy(-eps, direction, args))
-        return jax.tree_util.tree_map(lambda p, m: (p - m) / (2 * eps), plus, minus)
-
-    def flat(tree: Any) -> Any:
-        return jnp.concatenate([jnp.ravel(x) for x in _leaves(tree)] or [jnp.zeros(0)])
-
-    if "fwd" in modes:
-        _, tangent = jax.jvp(f, args, direction)
-        expected = flat(finite_difference())
-        verdict("forward mode vs central finite differences", flat(tangent), expected, expected)
-    if "rev" in modes:
-        out, pullback = jax.vjp(f, *args)
-        cotangent = _random_like(out, seed + 1)
-        # J v by finite differences, as jax.test_util does: the reverse check
-        # must not depend on the forward rules (custom_vjp has none).
-        lhs = global_sum(_dot(cotangent, finite_difference()))
-        rhs = global_sum(_dot(pullback(cotangent), direction))
-        verdict("reverse mode dot-product test Σ⟨ū, J v⟩ = Σ⟨Jᵀ ū, v⟩", rhs, lhs, lhs)
-
-    if order == 2:
-        if "fwd" in modes:
-            def jvp_of(*a):
-                return jax.jvp(f, a, direction)[1]
-
-            check_grads(jvp_of, args, 1, modes, atol=atol, rtol=rtol, eps=eps, comm=comm)
-        if "rev" in modes:
-            out = f(*args)
-            cotangent = _random_like(out, seed + 2)
-
-            def vjp_of(*a):
-                return jax.vjp(f, *a)[1](cotangent)
-
-            check_grads(vjp_of, args, 1, modes, atol=atol, rtol=rtol, eps=eps, comm=comm)
+            raise ValueError(f"{_NAME}: unknown mode {mode!r}; use 'fwd' and/or 'rev'")
+    if isinstance(order, bool) or not isinstance(order, (int, np.integer)) or order < 1:
+        raise ValueError(f"{_NAME}: order must be an integer >= 1, got {order!r}")
+    if eps is not None and not eps > 0:
+        raise ValueError(f"{_NAME}: eps must be positive, got {eps!r}")
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if value is not None and not value >= 0:
+            raise ValueError(f"{_NAME}: {name} must be non-negative, got {value!r}")
+    checker = _Checker(communicator, mode_tuple, atol, rtol, eps)
+    checker.run(f, tuple(args), int(order), "f")

@@ -1,92 +1,270 @@
 """Exact gradients of replicated losses (shared/design/ad-convention.md).
 
-Under distlinalg's convention a primitive's transpose is the adjoint of the
-whole SPMD program: seeding every rank's copy of a replicated loss L with 1
-differentiates Σ_r L_r = P·L. And a replicated parameter w is really P
-copies w_r (one per rank): the gradient of the one parameter is the sum of
-the copies' gradients, the adjoint of the implicit broadcast w ↦ (w, ..., w).
-These helpers do both: seed 1/P, then allreduce the gradients of the
-replicated arguments; sharded (rank-local) arguments keep their local
-blocks, which are then exactly the blocks of the global gradient.
+Under distlinalg's convention the transpose of a communication primitive is
+the adjoint of the whole SPMD program: reverse mode seeds every rank's output
+copy with its own cotangent and returns x̄_s = Σ_r (∂y_r/∂x_s)ᵀ ȳ_r. Two
+consequences for a loss L that every rank computes identically:
+
+* seeding every rank with 1 differentiates Σ_r L_r = P·L, so `jax.grad`
+  alone is P times too large (for data that enters through a collective);
+* a replicated parameter w is really P copies w_r, one per rank, and rank r's
+  cotangent holds only the paths through its own copy. The gradient of the
+  one parameter is the sum of the copies' gradients: the adjoint of the
+  implicit broadcast w ↦ (w, ..., w).
+
+So: seed 1/P (any seeds summing to 1 would do), then allreduce the
+gradients of the replicated arguments. Sharded (rank-local) arguments are
+distinct inputs of the global function; their local cotangents are already
+their blocks of the global gradient. Terms every rank computes redundantly
+(a regulariser R(w)) come out right too: each rank contributes R'(w)/P.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from .._mpi import resolve_comm
+from .._mpi import Communicator, resolve_comm
 from ..comm.allreduce import allreduce
 
+_NAME = "distlinalg.ad"
 
-def _as_tuple(argnums: int | Sequence[int]) -> tuple[int, ...]:
-    return (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+def _argnums_tuple(argnums: Any) -> tuple[int, ...]:
+    nums = (argnums,) if _is_int(argnums) else tuple(argnums)
+    if not nums:
+        raise ValueError(f"{_NAME}: argnums is empty")
+    for i in nums:
+        if not _is_int(i):
+            raise TypeError(f"{_NAME}: argnums must be ints, got {i!r}")
+    return tuple(int(i) for i in nums)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _sharded_spec(sharded: Any) -> dict[int, Any]:
+    """`sharded` -> {argnum: bool pytree prefix of that argument}."""
+    if isinstance(sharded, Mapping):
+        spec = dict(sharded)
+    elif _is_int(sharded):
+        spec = {sharded: True}
+    elif isinstance(sharded, (bool, np.bool_)):
+        raise TypeError(
+            f"{_NAME}: sharded names argument positions (sharded=1, sharded=(0, 2) or "
+            f"sharded={{0: {{'w': False, 'emb': True}}}}), got the bool {sharded!r}"
+        )
+    else:
+        spec = {}
+        for i in sharded:
+            if i in spec:
+                raise ValueError(f"{_NAME}: sharded lists argument {i} twice")
+            spec[i] = True
+    for i in spec:
+        if not _is_int(i):
+            raise TypeError(f"{_NAME}: sharded keys must be argument positions (ints), got {i!r}")
+    return {int(i): flags for i, flags in spec.items()}
+
+
+def _normalise(i: int, nargs: int, what: str) -> int:
+    if not -nargs <= i < nargs:
+        raise TypeError(
+            f"{_NAME}: {what}={i} needs at least {i + 1 if i >= 0 else -i} positional "
+            f"arguments, but the function was called with {nargs}"
+        )
+    return i % nargs
+
+
+def _leaf_mask(flags: Any, grad_tree: Any, argnum: int) -> list[bool]:
+    """One bool per leaf of `grad_tree`: True where the leaf is sharded."""
+
+    def expand(flag: Any, subtree: Any) -> Any:
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(
+                f"{_NAME}: the leaves of sharded[{argnum}] must be True/False, got {flag!r}"
+            )
+        return jax.tree_util.tree_map(lambda _: bool(flag), subtree)
+
+    try:
+        mask = jax.tree_util.tree_map(expand, flags, grad_tree)
+    except (ValueError, KeyError) as err:
+        raise ValueError(
+            f"{_NAME}: sharded[{argnum}] must be a bool or a pytree prefix of argument "
+            f"{argnum} with bool leaves; argument structure "
+            f"{jax.tree_util.tree_structure(grad_tree)}, sharded[{argnum}] = {flags!r}"
+        ) from err
+    return jax.tree_util.tree_leaves(mask)
+
+
+def _sum_over_ranks(leaves: list[Any], comm: Communicator) -> list[Any]:
+    """allreduce-sum of every leaf, one message per dtype.
+
+    Models have many small parameter arrays; one concatenated message per
+    dtype pays the latency once. The order of the groups depends only on the
+    (rank-independent) argument structure, so all ranks post the same calls.
+    """
+    out = list(leaves)
+    groups: dict[Any, list[int]] = {}
+    for k, leaf in enumerate(leaves):
+        if leaf.size:
+            groups.setdefault(leaf.dtype, []).append(k)
+    for members in groups.values():
+        if len(members) == 1:
+            (k,) = members
+            out[k] = allreduce(leaves[k], "sum", comm=comm)
+            continue
+        total = allreduce(jnp.concatenate([jnp.ravel(leaves[k]) for k in members]), "sum", comm=comm)
+        start = 0
+        for k in members:
+            stop = start + leaves[k].size
+            out[k] = total[start:stop].reshape(leaves[k].shape)
+            start = stop
+    return out
 
 
 def value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     *,
-    sharded: int | Sequence[int] = (),
+    sharded: int | Sequence[int] | Mapping[int, Any] = (),
     has_aux: bool = False,
     comm: Any = None,
 ) -> Callable[..., Any]:
     """Value and exact gradient of a replicated scalar loss, on every rank.
 
+    Every rank calls the returned function together, with the same argument
+    structure (see docs/ad.md: all ranks differentiate the same program).
+
     Args:
-      fun: the loss; every rank returns the same scalar (typically computed
-        with allreduces from rank-local data), optionally ``(loss, aux)``.
-        Terms computed redundantly on every rank (a regulariser R(w)) are fine.
-      argnums: which positional arguments to differentiate (int or tuple).
-      sharded: which of `argnums` are sharded, i.e. rank-local pieces of a
-        distributed argument (each rank holds its own block, e.g. this rank's
-        rows of data). All other differentiated arguments are replicated (the
-        same value on every rank, e.g. model parameters).
-      has_aux: `fun` returns ``(loss, aux)``; aux is returned untouched.
-      comm: communicator over which the loss is replicated (default
-        distlinalg's).
+      fun: the loss. Every rank returns the same real scalar L, typically
+        computed from rank-local data with allreduces; terms computed
+        redundantly on every rank (a regulariser R(w)) are fine. Optionally
+        returns ``(L, aux)``. (If the ranks' values differ, the result is the
+        gradient of their mean, (1/P) Σ_r L_r.)
+      argnums: which positional arguments to differentiate, an int or a
+        sequence of ints (negative counts from the end), as in ``jax.grad``.
+        Their leaves must be floating or complex.
+      sharded: which differentiated arguments are *sharded*: rank-local
+        pieces of a distributed argument (this rank's rows of the data, its
+        block of a distributed vector). Everything else in `argnums` is
+        *replicated*: one logical value held identically by every rank (model
+        parameters). Either
+
+        * an int or a sequence of ints: those positional arguments (each
+          must be in `argnums`) are sharded as a whole; or
+        * a mapping ``{argnum: flags}``, where `flags` is a bool or a pytree
+          prefix of that argument with bool leaves, True marking sharded
+          subtrees: ``sharded={0: {"w": False, "table": True}}`` for a
+          parameter dict whose ``"table"`` is split over ranks.
+
+        Default: every differentiated argument is replicated.
+      has_aux: `fun` returns ``(L, aux)``; aux is returned as computed on this
+        rank, not differentiated.
+      comm: the communicator over which the loss is replicated (default:
+        distlinalg's duplicate of ``MPI.COMM_WORLD``).
 
     Returns:
-      A function returning ``(loss, grads)`` (``((loss, aux), grads)`` with
-      has_aux): grads of replicated arguments are the full gradient,
-      identical on every rank; grads of sharded arguments are this rank's
-      block of the global gradient. Like ``jax.value_and_grad``, a single
-      int argnums gives a single gradient. Jittable and differentiable.
+      A function with `fun`'s signature returning ``(L, grads)``
+      (``((L, aux), grads)`` with has_aux). L is the loss as this rank computed
+      it. ``grads`` has the structure of ``jax.value_and_grad``'s (a single
+      gradient for an int `argnums`, a tuple otherwise):
+
+      * replicated arguments (leaves): dL/dw, the full gradient, identical on
+        every rank (one allreduce per dtype sums the ranks' contributions);
+      * sharded arguments (leaves): this rank's block of the global gradient
+        dL/dx_r, no communication.
+
+      The function is jittable, vmappable and differentiable (its
+      communication is made of distlinalg primitives), e.g. for
+      Hessian-vector products.
+
+    Raises:
+      TypeError / ValueError on every rank for bad argnums or sharded, a loss
+      that is not a real scalar, or integer arguments.
     """
-    nums = _as_tuple(argnums)
-    sharded_nums = set(_as_tuple(sharded))
-    unknown = sharded_nums - set(nums)
-    if unknown:
-        raise ValueError(f"distlinalg.ad: sharded={sorted(unknown)} are not among argnums={nums}")
+    nums = _argnums_tuple(argnums)
+    if len(set(nums)) != len(nums):
+        raise ValueError(f"{_NAME}: argnums {nums} repeats an argument")
+    spec = _sharded_spec(sharded)
+    if all(i >= 0 for i in (*nums, *spec)):
+        stray = sorted(set(spec) - set(nums))
+        if stray:
+            raise ValueError(f"{_NAME}: sharded={stray} are not among argnums={nums}")
+    communicator = resolve_comm(comm)
+    size = communicator.size
 
+    @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        communicator = resolve_comm(comm)
-        for i in nums:
-            if not -len(args) <= i < len(args):
-                raise ValueError(f"distlinalg.ad: argnums {i} out of range for {len(args)} arguments")
+        nargs = len(args)
+        positions = [_normalise(i, nargs, "argnums") for i in nums]
+        if len(set(positions)) != len(positions):
+            raise ValueError(f"{_NAME}: argnums {nums} name the same argument twice")
+        flags_of: dict[int, Any] = {}
+        for i, flags in spec.items():
+            position = _normalise(i, nargs, "sharded")
+            if position not in positions:
+                raise ValueError(f"{_NAME}: sharded argument {i} is not among argnums={nums}")
+            flags_of[position] = flags
+        for position in positions:
+            for leaf in jax.tree_util.tree_leaves(args[position]):
+                dtype = jnp.result_type(leaf)
+                if not jnp.issubdtype(dtype, jnp.inexact):
+                    raise TypeError(
+                        f"{_NAME}: differentiated arguments must be floating or complex; "
+                        f"argument {position} has a leaf of dtype {dtype}"
+                    )
 
-        def of_differentiated(*diff):
+        def of_differentiated(*diff: Any) -> Any:
             full = list(args)
-            for i, value in zip(nums, diff):
-                full[i] = value
+            for position, value in zip(positions, diff):
+                full[position] = value
             out = fun(*full, **kwargs)
-            loss, aux = out if has_aux else (out, None)
-            if jnp.ndim(loss) != 0:
-                raise TypeError(f"distlinalg.ad: the loss must be a scalar, got shape {jnp.shape(loss)}")
+            if has_aux:
+                if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                    raise TypeError(f"{_NAME}: with has_aux=True the loss must return a pair (loss, aux)")
+                loss, aux = out
+            else:
+                loss, aux = out, None
+            loss = jnp.asarray(loss)
+            if loss.shape != ():
+                raise TypeError(f"{_NAME}: the loss must be a scalar, got shape {loss.shape}")
+            if not jnp.issubdtype(loss.dtype, jnp.floating):
+                raise TypeError(f"{_NAME}: the loss must be real floating, got dtype {loss.dtype}")
             return loss, aux
 
-        loss, pullback, aux = jax.vjp(of_differentiated, *(args[i] for i in nums), has_aux=True)
-        seed = jnp.ones_like(loss) / communicator.size
-        grads = list(pullback(seed))
-        for k, i in enumerate(nums):
-            if i not in sharded_nums:
-                grads[k] = allreduce(grads[k], "sum", comm=communicator)
-        grads_out = grads[0] if isinstance(argnums, int) else tuple(grads)
-        value = (loss, aux) if has_aux else loss
-        return value, grads_out
+        loss, pullback, aux = jax.vjp(of_differentiated, *(args[p] for p in positions), has_aux=True)
+        # 1/P on every rank: reverse mode then differentiates (1/P) Σ_r L_r = L.
+        grads = list(pullback(jnp.ones_like(loss) / size))
+
+        if size > 1:
+            flat: list[Any] = []
+            treedefs = []
+            for k, position in enumerate(positions):
+                leaves, treedef = jax.tree_util.tree_flatten(grads[k])
+                mask = _leaf_mask(flags_of.get(position, False), grads[k], position)
+                flat.append((leaves, mask))
+                treedefs.append(treedef)
+            replicated = [leaf for leaves, mask in flat for leaf, s in zip(leaves, mask) if not s]
+            reduced = iter(_sum_over_ranks(replicated, communicator))
+            grads = [
+                jax.tree_util.tree_unflatten(
+                    treedef, [leaf if s else next(reduced) for leaf, s in zip(leaves, mask)]
+                )
+                for (leaves, mask), treedef in zip(flat, treedefs)
+            ]
+        else:
+            # Still validate `sharded` on one rank, so a bad spec fails the same way everywhere.
+            for k, position in enumerate(positions):
+                _leaf_mask(flags_of.get(position, False), grads[k], position)
+
+        grads_out = grads[0] if _is_int(argnums) else tuple(grads)
+        return ((loss, aux) if has_aux else loss), grads_out
 
     return wrapped
 
@@ -95,18 +273,21 @@ def grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     *,
-    sharded: int | Sequence[int] = (),
+    sharded: int | Sequence[int] | Mapping[int, Any] = (),
     has_aux: bool = False,
     comm: Any = None,
 ) -> Callable[..., Any]:
     """Exact gradient of a replicated scalar loss; see :func:`value_and_grad`.
 
-    Returns ``grads`` (``(grads, aux)`` with has_aux).
+    Returns a function returning ``grads`` (``(grads, aux)`` with has_aux):
+    full gradients, identical on every rank, for replicated arguments; this
+    rank's block of the global gradient for sharded ones.
     """
-    vg = value_and_grad(fun, argnums, sharded=sharded, has_aux=has_aux, comm=comm)
+    value_and_grad_fun = value_and_grad(fun, argnums, sharded=sharded, has_aux=has_aux, comm=comm)
 
+    @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        value, grads = vg(*args, **kwargs)
+        value, grads = value_and_grad_fun(*args, **kwargs)
         return (grads, value[1]) if has_aux else grads
 
     return wrapped

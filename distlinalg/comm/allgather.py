@@ -1,8 +1,8 @@
 """allgather: every rank's array stacked on every rank.
 
-Shapes: x: s -> y: (size, *s), row r = rank r's x. AD: ẏ = AG(ẋ); transpose
-x̄_s = Σ_r ȳ_r[s], a sum reduce_scatter. vmap: the batch dimension moves
-behind the rank axis.
+Shapes: x: s -> y: (size, *s), row r = rank r's x, identical on every rank.
+AD (shared/design/ad-convention.md): ẏ = AG(ẋ); transpose x̄_s = Σ_r ȳ_r[s],
+a sum reduce_scatter. vmap: the batch dimension lands behind the rank axis.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def _allgather_transpose(ct, x, *, comm: Communicator):
 
 def _allgather_batch(args, dims, *, comm: Communicator):
     (x,), (d,) = args, dims
+    # Every rank's (B, *s) batch becomes one row: the result is (size, B, *s).
     return allgather_p.bind(jnp.moveaxis(x, d, 0), comm=comm), 1
 
 
@@ -42,17 +43,24 @@ batching.primitive_batchers[allgather_p] = _allgather_batch
 
 
 def allgather(x: Any, *, comm: Any = None) -> Any:
-    """Stack every rank's `x` on every rank.
+    """Stack every rank's `x` on every rank (MPI_Allgather).
 
     Args:
-      x: array or pytree, same shapes and dtypes on every rank (shape s).
-      comm: mpi4py intracommunicator (default distlinalg's).
+      x: array or pytree of arrays, the same shapes and dtypes on every rank
+        (shape s, 0-d allowed).
+      comm: an mpi4py intracommunicator; default: distlinalg's private
+        duplicate of ``MPI.COMM_WORLD``.
 
     Returns:
-      Shape (size, *s): row r is rank r's x, identical on every rank.
+      Shape (size, *s), dtype of `x`: row r is rank r's x, identical on every
+      rank.
+
+    Raises (at trace time, on every rank): TypeError for an unsupported
+    dtype or a bad communicator.
 
     AD: forward mode gathers the tangents; the transpose sums every rank's
-    cotangent row s onto rank s (a sum reduce_scatter).
+    cotangent row s onto rank s (a sum reduce_scatter). vmap sends the whole
+    batch in one message; the gathered rank axis stays first.
     """
     comm = resolve_comm(comm)
 

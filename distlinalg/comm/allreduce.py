@@ -3,7 +3,7 @@
 AD (see shared/design/ad-convention.md, "adjoint of the whole SPMD program"):
   sum:      ẏ = AR(ẋ);                x̄ = AR(ȳ)  (self-adjoint)
   prod:     ẏ = AR(c ⊙ ẋ), c_s = Π_{t≠s} x_t, computed without dividing by
-            zero (a zero count picks the right branch)
+            zero and with exact second derivatives (product_of_others)
   min/max:  ẏ = AR(w ⊙ ẋ), w = [x == y] / AR([x == y]) (ties share equally)
 Only the sum is linear; the other JVPs are sums of scaled tangents, so their
 transposes follow from the sum's.
@@ -42,21 +42,33 @@ def _allreduce_jvp(primals, tangents, *, comm: Communicator, op: ReduceOp):
 
 
 def product_of_others(x: Any, comm: Communicator) -> Any:
-    """c_s = Π_{t≠s} x_t elementwise, exact when some x_t are zero.
+    """c_s = Π_{t≠s} x_t elementwise, exact (with derivatives) when some x_t are 0.
 
-    Two allreduces (a zero count and the product of the nonzero entries)
-    choose between that product / x_s (no zero anywhere), the product itself
-    (x_s is the only zero) and 0 (two or more zeros); nothing divides by 0.
+    Nothing divides by zero and the result keeps the derivatives of the true
+    product, not those of a constant 0, so Hessians through a prod reduction
+    are exact too. With N the product of the nonzero entries and z_t the zero
+    entries, Π_{t≠s} x_t = (N / x_s if x_s ≠ 0 else N) · e_k(the other zeros),
+    e_k the elementary symmetric polynomial of the k other zeros: e_0 = 1,
+    e_1 = p1, e_2 = (p1² − p2) / 2 from the power sums p1, p2; e_3 and beyond
+    are 0 with vanishing first and second derivatives at 0. Two allreduces:
+    one sum of (zero count, p1, p2) and one product.
     """
     is_zero = x == 0
-    zeros = allreduce_p.bind(is_zero.astype(jnp.int32), comm=comm, op=ReduceOp.SUM)
+    zero_part = jnp.where(is_zero, x, jnp.zeros_like(x))
     safe_x = jnp.where(is_zero, jnp.ones_like(x), x)
-    nonzero_product = allreduce_p.bind(safe_x, comm=comm, op=ReduceOp.PROD)
-    return jnp.where(
-        zeros == 0,
-        nonzero_product / safe_x,
-        jnp.where((zeros == 1) & is_zero, nonzero_product, jnp.zeros_like(x)),
+    sums = allreduce_p.bind(
+        jnp.stack([is_zero.astype(x.dtype), zero_part, zero_part * zero_part]), comm=comm, op=ReduceOp.SUM
     )
+    nonzero_product = allreduce_p.bind(safe_x, comm=comm, op=ReduceOp.PROD)
+    other_zeros = jnp.real(sums[0]) - is_zero.astype(jnp.real(sums[0]).dtype)
+    e1 = sums[1] - zero_part
+    e2 = (e1 * e1 - (sums[2] - zero_part * zero_part)) / 2
+    zeros_factor = jnp.where(
+        other_zeros == 0,
+        jnp.ones_like(x),
+        jnp.where(other_zeros == 1, e1, jnp.where(other_zeros == 2, e2, jnp.zeros_like(x))),
+    )
+    return nonzero_product / safe_x * zeros_factor
 
 
 def tie_weights(x: Any, extremum: Any, comm: Communicator, dtype: Any) -> Any:

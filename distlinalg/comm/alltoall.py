@@ -1,6 +1,9 @@
 """alltoall: block q of rank r's (size, *s) array becomes block r on rank q.
 
-Self-adjoint: ẏ = A2A(ẋ), x̄ = A2A(ȳ). vmap: batch behind the rank axis.
+Shapes: x: (size, *s) -> y: (size, *s); y on rank q, block r = x on rank r,
+block q. As a map of the stacked global state, a transpose of the first two
+axes, hence self-adjoint: ẏ = A2A(ẋ), x̄ = A2A(ȳ) (ad-convention.md).
+vmap: the batch dimension moves right behind the rank axis.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def _alltoall_transpose(ct, x, *, comm: Communicator):
 
 def _alltoall_batch(args, dims, *, comm: Communicator):
     (x,), (d,) = args, dims
+    # (size, B, *s): each block sent to a rank carries the whole batch.
     return alltoall_p.bind(jnp.moveaxis(x, d, 1), comm=comm), 1
 
 
@@ -39,16 +43,24 @@ batching.primitive_batchers[alltoall_p] = _alltoall_batch
 
 
 def alltoall(x: Any, *, comm: Any = None) -> Any:
-    """Exchange one block with every rank.
+    """Exchange one block with every rank (MPI_Alltoall).
 
     Args:
-      x: array or pytree of shape (size, *s); block q goes to rank q.
-      comm: mpi4py intracommunicator (default distlinalg's).
+      x: array or pytree of arrays of shape (size, *s), the same shapes and
+        dtypes on every rank; block ``x[q]`` goes to rank q.
+      comm: an mpi4py intracommunicator; default: distlinalg's private
+        duplicate of ``MPI.COMM_WORLD``.
 
     Returns:
-      Shape (size, *s): block r is what rank r sent to this rank.
+      Shape (size, *s), dtype of `x`: block r is what rank r sent to this
+      rank (rank r's ``x[rank]``).
 
-    AD: self-adjoint (the transpose is another alltoall).
+    Raises (at trace time, on every rank): ValueError when the leading
+    dimension is not ``size`` (0-d input included); TypeError for an
+    unsupported dtype or a bad communicator.
+
+    AD: self-adjoint; forward mode exchanges the tangents, the transpose
+    exchanges the cotangents back. vmap sends the whole batch in one message.
     """
     comm = resolve_comm(comm)
 

@@ -1,8 +1,11 @@
-"""barrier: no rank leaves before every rank has entered.
+"""barrier: no rank leaves before every rank of the communicator has entered.
 
-No inputs or outputs, hence no derivative; the ordered effect keeps it in
-program order relative to every other operation (also under jit, vmap,
-grad: a transformation never duplicates or drops it).
+No inputs or outputs, hence nothing to differentiate or batch: under grad,
+jvp and vmap it is bound exactly once (JAX never routes an input-free
+primitive through a transformation rule). The ordered MPI effect keeps it in
+program order relative to every other distlinalg operation, in eager code,
+under jit and inside control flow, and keeps it from being removed as dead
+code although it returns nothing.
 """
 
 from __future__ import annotations
@@ -20,5 +23,13 @@ _core.register_lowering(
 
 
 def barrier(*, comm: Any = None) -> None:
-    """Block until every rank of `comm` (default distlinalg's) has called it."""
+    """Block until every rank of `comm` has called it (MPI_Barrier).
+
+    Args:
+      comm: mpi4py intracommunicator (default distlinalg's private one).
+
+    Returns:
+      None. Inside jit the barrier runs where it stands in the program,
+      between the operations before and after it.
+    """
     _core.bind(barrier_p, comm=resolve_comm(comm))

@@ -1,51 +1,94 @@
 """Point-to-point: send, recv and sendrecv.
 
 Receive buffers are operands aliased to the result, so receiving from
-``PROC_NULL`` returns the template unchanged (MPI leaves it untouched).
+``PROC_NULL`` returns the template unchanged (MPI leaves it untouched), and
+sending to ``PROC_NULL`` sends nothing.
 
-AD (design note):
-  sendrecv: ẏ = sendrecv(ṡ, ṙ) along the same route; the transpose sends the
-    cotangent back along the reversed route (source and dest swapped), and
-    the template's cotangent is ȳ where the source is PROC_NULL, else zero.
-    Forward and reverse mode are both exact.
-  send / recv: the tangent of a sent value travels as its own message, and
-    the transpose of a send is a receive of the partner's cotangent (and
-    vice versa). Derivative messages carry flagged tags, so a tangent can
-    never be taken for a primal value.
+AD (shared/design/ad-convention.md): a message is a linear map of the global
+state, y_dest = x_source. Its tangent travels along the same route, its
+cotangent along the reversed one:
 
-The one pattern to know: JAX differentiates a ``recv`` only if its template
-carries a tangent. When the sent value depends on the differentiated
-inputs, the receiving rank must pass a template that does too (for instance
-``recv(x * 0, source)`` with x traced, or any array computed from the
-differentiated inputs), otherwise the sender's tangent message is never
-received: small messages are lost silently (never mistaken for data) and
-large ones block. ``sendrecv`` has no such requirement, since both sides
-carry data; prefer it for differentiable exchanges.
+  sendrecv  ẏ = sendrecv(ṡ) with the same source/dest; transpose: ȳ goes back
+            from dest to source (tags swapped), and the template's cotangent
+            is ȳ where source is PROC_NULL (the output *is* the template),
+            zero otherwise.
+  send      its tangent is sent as a second message; transpose: receive the
+            cotangent back from dest.
+  recv      its tangent is a second message from source; transpose: send the
+            cotangent back to source.
+Forward and reverse mode, every order, vmap of both (one message carries the
+whole batch).
+
+Why the protocol below exists
+-----------------------------
+JAX differentiates an operation only when one of its inputs carries a
+tangent. A ``recv`` whose template is a constant is therefore never
+differentiated even when the matching ``send`` is (and the same for a
+``sendrecv`` whose send buffer and template are both constant on one rank),
+so one rank would post a derivative message that its partner never takes:
+a silently wrong derivative in forward mode, a rank blocked forever in
+reverse mode. Neither rank can tell at trace time. So every message whose
+sender differentiates says so itself:
+
+* A differentiated exchange first sends its *primal* message with one extra
+  trailing element per level of differentiation set to 1 (same tag, same
+  dtype), receiving into a buffer with those slots preset to 0. Afterwards
+  the receiver knows, as a runtime value, whether its source will post a
+  tangent (and, in reverse mode, wait for a cotangent).
+* The tangent exchange receives from the source only if that flag is set
+  (a ``lax.cond`` on it, not on a batched value, so vmap keeps it a branch);
+  otherwise the tangent is zero — exact, since the source's value does not
+  depend on the differentiated inputs. In reverse mode the same branch
+  decides whether the cotangent is sent back, so no message is left
+  unmatched and no rank waits for one that never comes.
+* A receiver that does *not* differentiate, but whose source does, receives a
+  message one element longer than its buffer: MPI fails that receive with
+  ``MPI_ERR_TRUNCATE`` ("Message truncated"), raised as a Python exception on
+  that rank. That is the one unsupported pattern; it fails loudly instead of
+  hanging or returning a wrong derivative. (Its partner may then block until
+  the job is torn down, as after any error on one MPI rank.)
+
+The rule for users: when the sent value depends on the differentiated inputs,
+the receiving side's template must too — e.g. ``recv(x * 0, source)`` or
+``recv(jnp.zeros_like(x) + 0 * x, ...)`` with x a differentiated argument;
+``jnp.zeros_like(x)`` alone is a constant. ``sendrecv`` needs nothing special
+when the sent buffers carry tangents on every rank (the usual halo exchange).
+With ``DISTLINALG_CHECK=1`` every message first exchanges its signature, so a
+mismatch (including the unsupported pattern) is reported on both ranks with
+the element counts; in that mode a differentiated receive whose sender does
+not differentiate is reported too (the counts differ by the flag), although
+without the check it is handled exactly.
+
+Primal-only exchanges (no differentiation) are plain MPI calls: no flag, no
+copy. Derivative messages use flagged tags (user tags are 0..4095).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
 
 from .._mpi import (
     ADJOINT_TAG_FLAG,
     PROC_NULL,
     TANGENT_TAG_FLAG,
-    Communicator,
     check_dtype,
     check_rank,
     check_tag,
     resolve_comm,
 )
+from .._compat import mlir
 from . import _core
 from ._core import ad, batching
 
 # ---------------------------------------------------------------------------
-# sendrecv
+# sendrecv: the plain exchange (one MPI_Sendrecv)
 sendrecv_p = _core.new_primitive("sendrecv")
 _core.def_abstract_eval(
     sendrecv_p, lambda s, r, *, comm, source, dest, sendtag, recvtag: _core.shaped(r.shape, r.dtype)
@@ -64,26 +107,33 @@ _core.register_lowering(
 )
 
 
-def _sendrecv_jvp(primals, tangents, *, comm, source, dest, sendtag, recvtag):
-    (s, r), (ts, tr) = primals, tangents
-    y = sendrecv_p.bind(s, r, comm=comm, source=source, dest=dest, sendtag=sendtag, recvtag=recvtag)
-    dy = sendrecv_p.bind(
-        _core.instantiate(ts), _core.instantiate(tr), comm=comm, source=source, dest=dest,
-        sendtag=sendtag | TANGENT_TAG_FLAG, recvtag=recvtag | TANGENT_TAG_FLAG,
-    )
-    return y, dy
-
-
 def _aval(x: Any) -> Any:
     return x.aval if _core.is_undefined(x) else jax.typeof(x)
+
+
+def _sendrecv_jvp(primals, tangents, **params):
+    (s, r), (ts, tr) = primals, tangents
+    y, delivered = flagged_sendrecv_p.bind(s, r, depth=1, **params)
+    return y, _tangent_exchange(ts, tr, delivered[0], **params)
 
 
 def _sendrecv_transpose(ct, s, r, *, comm, source, dest, sendtag, recvtag):
     ct = _core.instantiate(ct)
     send_aval = _aval(s)
+    buffer = jnp.zeros(send_aval.shape, send_aval.dtype)
+    if dest != PROC_NULL and not _core.is_undefined(r) and _aval(r).shape == send_aval.shape \
+            and _aval(r).dtype == send_aval.dtype:
+        # A residual template shaped like what was sent (send's tangent
+        # message passes its primal): derive the buffer of the returning
+        # cotangent from it. Differentiating this transpose again (Hessians)
+        # then differentiates this receive whenever the sent value depends
+        # on the inputs, matching the partner, whose returned cotangent
+        # depends on them too. A receive into a constant buffer could not
+        # take the tangent the partner sends. The values are overwritten.
+        buffer = r * 0
     # Always communicate: the partner's transpose posts the matching call.
     back = sendrecv_p.bind(
-        ct, jnp.zeros(send_aval.shape, send_aval.dtype), comm=comm, source=dest, dest=source,
+        ct, buffer, comm=comm, source=dest, dest=source,
         sendtag=recvtag | ADJOINT_TAG_FLAG, recvtag=sendtag | ADJOINT_TAG_FLAG,
     )
     ct_s = back if _core.is_undefined(s) else None
@@ -93,15 +143,100 @@ def _sendrecv_transpose(ct, s, r, *, comm, source, dest, sendtag, recvtag):
     return ct_s, ct_r
 
 
-def _sendrecv_batch(args, dims, **params):
+def _batch_operands(args, dims):
+    """Both buffers batched at axis 0 (one message carries the whole batch)."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _core.not_mapped)
-    s, r = (_core.moveaxis_or_broadcast(a, d, 0, size) for a, d in zip(args, dims))
+    return [_core.moveaxis_or_broadcast(a, d, 0, size) for a, d in zip(args, dims)]
+
+
+def _sendrecv_batch(args, dims, **params):
+    s, r = _batch_operands(args, dims)
     return sendrecv_p.bind(s, r, **params), 0
 
 
 ad.primitive_jvps[sendrecv_p] = _sendrecv_jvp
 ad.primitive_transposes[sendrecv_p] = _sendrecv_transpose
 batching.primitive_batchers[sendrecv_p] = _sendrecv_batch
+
+# ---------------------------------------------------------------------------
+# The flagged primal exchange of a differentiated message (module docstring):
+# sends [s.ravel(), 1 * depth], receives [r.ravel(), flags]; returns the
+# received value and flags: bool[depth], flags[k] set when the source
+# differentiates this message at nesting level k and posts its tangent.
+flagged_sendrecv_p = Primitive("distlinalg_sendrecv_flagged")
+flagged_sendrecv_p.multiple_results = True
+
+
+def _flagged_shapes(s, r, *, depth, **_):
+    return [_core.shaped(r.shape, r.dtype), _core.shaped((depth,), np.bool_)], {_core.mpi_effect}
+
+
+flagged_sendrecv_p.def_effectful_abstract_eval(_flagged_shapes)
+
+
+def _flagged_exchange(s, r, *, comm, source, dest, sendtag, recvtag, depth):
+    params = dict(comm=comm, source=source, dest=dest, sendtag=sendtag, recvtag=recvtag)
+    flags = jnp.ones((depth,), s.dtype)
+    sent = flags if dest == PROC_NULL else jnp.concatenate([jnp.ravel(s), flags])
+    if source == PROC_NULL:
+        sendrecv_p.bind(sent, jnp.zeros((depth,), r.dtype), **params)
+        return [r, jnp.zeros((depth,), np.bool_)]
+    n = math.prod(r.shape)
+    got = sendrecv_p.bind(sent, jnp.concatenate([jnp.ravel(r), jnp.zeros((depth,), r.dtype)]), **params)
+    return [got[:n].reshape(r.shape), got[n:] != 0]
+
+
+mlir.register_lowering(flagged_sendrecv_p, mlir.lower_fun(_flagged_exchange, multiple_results=True), platform="cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _flagged_compiled(params: tuple) -> Any:
+    return jax.jit(functools.partial(flagged_sendrecv_p.bind, **dict(params)))
+
+
+flagged_sendrecv_p.def_impl(lambda s, r, **params: _flagged_compiled(tuple(sorted(params.items())))(s, r))
+
+
+def _flagged_jvp(primals, tangents, *, depth, **params):
+    (s, r), (ts, tr) = primals, tangents
+    # The new (outer) level of differentiation takes the next flag slot.
+    y, delivered = flagged_sendrecv_p.bind(s, r, depth=depth + 1, **params)
+    dy = _tangent_exchange(ts, tr, delivered[depth], **params)
+    return (y, delivered[:depth]), (dy, np.zeros((depth,), jax.dtypes.float0))
+
+
+def _flagged_batch(args, dims, **params):
+    s, r = _batch_operands(args, dims)
+    return flagged_sendrecv_p.bind(s, r, **params), [0, _core.not_mapped]
+
+
+ad.primitive_jvps[flagged_sendrecv_p] = _flagged_jvp
+batching.primitive_batchers[flagged_sendrecv_p] = _flagged_batch
+
+
+def _tangent_exchange(ts, tr, delivered, *, comm, source, dest, sendtag, recvtag):
+    """The tangent message of a differentiated exchange.
+
+    Sends ṡ to dest unconditionally (this rank flagged its primal message);
+    receives from source only when the source flagged its own. Both tangents
+    are operands of the exchange even when one is an instantiated zero: an
+    exchange on constants only would be evaluated in the forward pass of
+    reverse mode instead of being transposed.
+    """
+    ts, tr = _core.instantiate(ts), _core.instantiate(tr)
+    params = dict(comm=comm, dest=dest, sendtag=sendtag | TANGENT_TAG_FLAG, recvtag=recvtag | TANGENT_TAG_FLAG)
+    if source == PROC_NULL:
+        return sendrecv_p.bind(ts, tr, source=PROC_NULL, **params)  # the template's own tangent
+
+    def received(ts, tr):
+        return sendrecv_p.bind(ts, tr, source=source, **params)
+
+    def source_constant(ts, tr):
+        sendrecv_p.bind(ts, tr, source=PROC_NULL, **params)
+        return jnp.zeros(tr.shape, tr.dtype)
+
+    return jax.lax.cond(delivered, received, source_constant, ts, tr)
+
 
 # ---------------------------------------------------------------------------
 # send
@@ -117,14 +252,26 @@ _core.register_lowering(
 
 def _send_jvp(primals, tangents, *, comm, dest, tag):
     (x,), (t,) = primals, tangents
-    send_p.bind(x, comm=comm, dest=dest, tag=tag)
-    send_p.bind(_core.instantiate(t), comm=comm, dest=dest, tag=tag | TANGENT_TAG_FLAG)
+    # A send is an exchange that receives from PROC_NULL: the flagged primal
+    # message, then the tangent (transposed: the cotangent comes back).
+    if dest == PROC_NULL:
+        return [], []  # nothing is sent, nothing depends on x
+    flagged_sendrecv_p.bind(
+        x, jnp.zeros((0,), x.dtype), comm=comm, source=PROC_NULL, dest=dest, sendtag=tag, recvtag=tag, depth=1
+    )
+    # The template x comes back unused (source PROC_NULL); it is there for
+    # the transpose, which receives the cotangent into a buffer derived from it.
+    sendrecv_p.bind(
+        _core.instantiate(t), x, comm=comm, source=PROC_NULL, dest=dest,
+        sendtag=tag | TANGENT_TAG_FLAG, recvtag=tag | TANGENT_TAG_FLAG,
+    )
     return [], []
 
 
 def _send_transpose(cts, x, *, comm, dest, tag):
+    # Only reached by jax.linear_transpose of a program that is linear in
+    # what it sends (differentiation goes through sendrecv_p instead).
     aval = _aval(x)
-    # The cotangent of what we sent is what the receiver's transpose returns.
     back = recv_p.bind(jnp.zeros(aval.shape, aval.dtype), comm=comm, source=dest, tag=tag | ADJOINT_TAG_FLAG)
     return (back if _core.is_undefined(x) else None,)
 
@@ -152,12 +299,16 @@ _core.register_lowering(
 
 def _recv_jvp(primals, tangents, *, comm, source, tag):
     (t,), (tt,) = primals, tangents
-    y = recv_p.bind(t, comm=comm, source=source, tag=tag)
-    dy = recv_p.bind(_core.instantiate(tt), comm=comm, source=source, tag=tag | TANGENT_TAG_FLAG)
-    return y, dy
+    if source == PROC_NULL:
+        return recv_p.bind(t, comm=comm, source=source, tag=tag), tt  # y is the template
+    params = dict(comm=comm, source=source, dest=PROC_NULL, sendtag=tag, recvtag=tag)
+    nothing = jnp.zeros((0,), t.dtype)
+    y, delivered = flagged_sendrecv_p.bind(nothing, t, depth=1, **params)
+    return y, _tangent_exchange(nothing, tt, delivered[0], **params)
 
 
 def _recv_transpose(ct, template, *, comm, source, tag):
+    # Only reached by jax.linear_transpose (see _send_transpose).
     ct = _core.instantiate(ct)
     send_p.bind(ct, comm=comm, dest=source, tag=tag | ADJOINT_TAG_FLAG)
     if not _core.is_undefined(template):
@@ -188,55 +339,81 @@ def sendrecv(
     """Send `sendbuf` to `dest` and receive from `source` in one deadlock-free step.
 
     Args:
-      sendbuf: array or pytree to send (ignored when dest is PROC_NULL).
-      recv_template: array or pytree (same structure as sendbuf) giving the
-        shape and dtype of what arrives; returned unchanged when source is
-        ``PROC_NULL``.
-      source, dest: ranks (static ints) or ``distlinalg.comm.PROC_NULL``
-        (``MPI.PROC_NULL``).
+      sendbuf: array or pytree to send (not sent when dest is PROC_NULL).
+      recv_template: array or pytree with the structure of sendbuf, giving the
+        shape and dtype of what arrives (leaf by leaf); returned unchanged
+        when source is ``PROC_NULL``. Its values are otherwise ignored.
+      source, dest: ranks (static ints) or ``PROC_NULL`` (``MPI.PROC_NULL``,
+        also ``distlinalg.comm.PROC_NULL``), e.g. the ends of a non-periodic
+        chain.
       sendtag, recvtag: tags in [0, 4095].
       comm: mpi4py intracommunicator (default distlinalg's).
 
     Returns:
-      What `source` sent (shaped like recv_template).
+      What `source` sent (shaped like recv_template), or recv_template when
+      source is PROC_NULL.
 
-    AD: forward and reverse mode. Tangents travel the same route; the
-    transpose sends cotangents back along the reversed route; the template's
-    cotangent is the output's where source is PROC_NULL.
+    AD: forward and reverse mode, any order. Tangents travel the same route;
+    the transpose sends cotangents back along the reversed route (source and
+    dest, sendtag and recvtag swapped); the template's cotangent is the
+    output's where source is PROC_NULL, zero otherwise. A rank whose buffers
+    are constants while its partners differentiate is handled as described
+    in the module docstring. vmap: one message carries the batch (every rank
+    must batch the exchange the same way).
     """
     comm = resolve_comm(comm)
     source = check_rank(source, comm, "source", "sendrecv", allow_proc_null=True)
     dest = check_rank(dest, comm, "dest", "sendrecv", allow_proc_null=True)
     sendtag = check_tag(sendtag, "sendtag", "sendrecv")
     recvtag = check_tag(recvtag, "recvtag", "sendrecv")
-    if jax.tree_util.tree_structure(sendbuf) != jax.tree_util.tree_structure(recv_template):
-        raise ValueError("distlinalg.sendrecv: sendbuf and recv_template must have the same pytree structure")
+    send_tree = jax.tree_util.tree_structure(sendbuf)
+    recv_tree = jax.tree_util.tree_structure(recv_template)
+    if send_tree != recv_tree:
+        raise ValueError(
+            "distlinalg.sendrecv: sendbuf and recv_template must have the same pytree structure, "
+            f"got {send_tree} and {recv_tree}"
+        )
 
-    def one(s, r):
-        s, r = _core.as_array(s), _core.as_array(r)
-        check_dtype(s.dtype, "sendrecv")
-        check_dtype(r.dtype, "sendrecv")
-        return _core.bind(sendrecv_p, s, r, comm=comm, source=source, dest=dest, sendtag=sendtag, recvtag=recvtag)
-
-    return jax.tree_util.tree_map(one, sendbuf, recv_template)
+    sends = [_core.as_array(leaf) for leaf in jax.tree_util.tree_leaves(sendbuf)]
+    templates = [_core.as_array(leaf) for leaf in jax.tree_util.tree_leaves(recv_template)]
+    for leaf in (*sends, *templates):  # every check before the first message
+        check_dtype(leaf.dtype, "sendrecv")
+    out = [
+        _core.bind(sendrecv_p, s, r, comm=comm, source=source, dest=dest, sendtag=sendtag, recvtag=recvtag)
+        for s, r in zip(sends, templates)
+    ]
+    return jax.tree_util.tree_unflatten(recv_tree, out)
 
 
 def send(x: Any, dest: int, *, tag: int = 0, comm: Any = None) -> None:
-    """Send `x` (array or pytree) to rank `dest` (or PROC_NULL: nothing).
+    """Send `x` (array or pytree, one message per leaf) to rank `dest`.
 
-    Blocking standard-mode send: it may wait for the matching `recv`, so
-    order sends and receives so that no cycle forms (or use sendrecv).
+    Blocking standard-mode send: it may wait until `dest` receives, so order
+    sends and receives so that no cycle of waiting ranks forms (or use
+    :func:`sendrecv`). Sending to ``PROC_NULL`` does nothing.
 
-    AD: the tangent is sent as a second message (see the module docstring
-    for the matching recv's requirement); the transpose receives the
-    cotangent back from `dest`.
+    Args:
+      x: array or pytree.
+      dest: a rank (static int) or ``PROC_NULL``.
+      tag: in [0, 4095]; the receiver must use the same tag.
+      comm: mpi4py intracommunicator (default distlinalg's).
+
+    Returns:
+      None.
+
+    AD: when `x` carries a tangent, the primal message is flagged and the
+    tangent follows as a second message; in reverse mode the cotangent comes
+    back from `dest`. The receiving rank must differentiate its ``recv`` too
+    (its template must depend on the differentiated inputs); otherwise its
+    receive fails with "Message truncated" (module docstring).
     """
     comm = resolve_comm(comm)
     dest = check_rank(dest, comm, "dest", "send", allow_proc_null=True)
     tag = check_tag(tag, "tag", "send")
-    for leaf in jax.tree_util.tree_leaves(x):
-        leaf = _core.as_array(leaf)
+    leaves = [_core.as_array(leaf) for leaf in jax.tree_util.tree_leaves(x)]
+    for leaf in leaves:
         check_dtype(leaf.dtype, "send")
+    for leaf in leaves:
         _core.bind(send_p, leaf, comm=comm, dest=dest, tag=tag)
 
 
@@ -244,23 +421,32 @@ def recv(template: Any, source: int, *, tag: int = 0, comm: Any = None) -> Any:
     """Receive from rank `source` an array (or pytree) shaped like `template`.
 
     Args:
-      template: gives shape and dtype; returned unchanged when source is
-        ``PROC_NULL``. When differentiating a program whose matching send
-        carries a tangent, the template must carry one too (compute it from
-        the differentiated inputs): see the module docstring.
-      source: a rank (static int) or PROC_NULL.
-      tag: in [0, 4095].
+      template: array or pytree giving shape and dtype (one message per
+        leaf, in the sender's leaf order); returned unchanged when source is
+        ``PROC_NULL``, otherwise its values are ignored.
+      source: a rank (static int) or ``PROC_NULL``.
+      tag: in [0, 4095], the sender's tag.
+      comm: mpi4py intracommunicator (default distlinalg's).
 
-    AD: the tangent arrives as a second message; the transpose sends the
-    cotangent back to `source`.
+    Returns:
+      What `source` sent, shaped like template.
+
+    AD: the recv is differentiated when its template carries a tangent. When
+    the matching send's value depends on the differentiated inputs, pass a
+    template that does too, e.g. ``recv(x * 0, source)`` with x a
+    differentiated argument: the tangent then arrives as a second message and
+    in reverse mode the cotangent goes back to `source`. With a constant
+    template this receive fails with "Message truncated" instead of
+    returning a wrong derivative. A differentiated recv whose sender does not
+    differentiate gets a zero tangent (exact). From PROC_NULL the result is
+    the template, with the template's tangent and cotangent.
     """
     comm = resolve_comm(comm)
     source = check_rank(source, comm, "source", "recv", allow_proc_null=True)
     tag = check_tag(tag, "tag", "recv")
-
-    def one(t):
-        t = _core.as_array(t)
-        check_dtype(t.dtype, "recv")
-        return _core.bind(recv_p, t, comm=comm, source=source, tag=tag)
-
-    return _core.tree_apply(one, template)
+    leaves, tree = jax.tree_util.tree_flatten(template)
+    leaves = [_core.as_array(leaf) for leaf in leaves]
+    for leaf in leaves:
+        check_dtype(leaf.dtype, "recv")
+    out = [_core.bind(recv_p, leaf, comm=comm, source=source, tag=tag) for leaf in leaves]
+    return jax.tree_util.tree_unflatten(tree, out)

@@ -90,7 +90,7 @@ def identity(v: Any) -> Any:
     return v
 
 
-def check_layout(layout: str) -> str:
+def check_layout(layout: str | None) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"distlinalg: layout must be one of {LAYOUTS}, got {layout!r}")
     return layout
@@ -238,8 +238,17 @@ class Problem(NamedTuple):
 
 
 def setup(A: Any, b: Any, x0: Any, M: Any, tol: Any, rtol: Any, atol: Any, maxiter: Any,
-          layout: str, comm: Any) -> Problem:
-    """Resolve and check the arguments common to cg and minres (trace time)."""
+          layout: str | None, comm: Any) -> Problem:
+    """Resolve and check the arguments common to cg and minres (trace time).
+
+    A distlinalg operator brings its layout and communicator: ``layout=None``
+    and ``comm=None`` take them from `A`.
+    """
+    is_operator = hasattr(A, "matvec") and getattr(A, "layout", None) is not None
+    if layout is None:
+        layout = A.layout if is_operator else "replicated"
+    if comm is None and is_operator:
+        comm = getattr(A, "comm", None)
     comm, layout = resolve(comm, layout)
     matvec = as_matvec(A, layout)
     precond = identity if M is None else as_matvec(M, layout)
@@ -250,6 +259,45 @@ def setup(A: Any, b: Any, x0: Any, M: Any, tol: Any, rtol: Any, atol: Any, maxit
     if maxiter is None:
         maxiter = default_maxiter(b, layout, comm)
     return Problem(matvec, precond, x0, rtol, atol, int(maxiter), Reductions(layout, comm))
+
+
+# ---------------------------------------------------------------------------
+# Real-linear operators on complex vectors
+def _split(tree: Any) -> tuple[Any, Any]:
+    return (jax.tree_util.tree_map(jnp.real, tree), jax.tree_util.tree_map(jnp.imag, tree))
+
+
+def _merge(pair: tuple[Any, Any], like: Any) -> Any:
+    return jax.tree_util.tree_map(lambda r, i, x: (r + 1j * i).astype(jnp.result_type(x)), *pair, like)
+
+
+class _RealPairs:
+    """A real-linear map of complex vectors as a linear map of (Re, Im) pairs."""
+
+    def __init__(self, op: Any, like: Any, layout: str | None):
+        apply = op.matvec if hasattr(op, "matvec") else op
+        self.matvec = lambda pair: _split(apply(_merge(pair, like)))
+        self.layout = getattr(op, "layout", None) or layout or "replicated"
+        self.comm = getattr(op, "comm", None)
+
+
+def is_real_linear(A: Any) -> bool:
+    return bool(getattr(A, "real_linear", False))
+
+
+def solve_real_linear(solver: Callable[..., Any], A: Any, b: Any, x0: Any, M: Any, **options: Any) -> Any:
+    """Run `solver` on the real system of (Re, Im) pairs of a real-linear A.
+
+    An operator that is only real-linear on complex vectors (A(i v) ≠ i A v)
+    is a symmetric real operator on R²ⁿ; the Krylov recurrences need that
+    real inner product, Re⟨u, v⟩, not the complex one.
+    """
+    layout = options.get("layout")
+    pair_b = _split(b)
+    pair_x0 = None if x0 is None else _split(x0)
+    pair_M = None if M is None else _RealPairs(M, b, layout)
+    x, info = solver(_RealPairs(A, b, layout), pair_b, pair_x0, M=pair_M, **options)
+    return _merge(x, b), info
 
 
 __all__ = [

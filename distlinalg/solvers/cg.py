@@ -41,7 +41,7 @@ def cg(
     atol: float = 0.0,
     maxiter: int | None = None,
     M: Any = None,
-    layout: str = "replicated",
+    layout: str | None = None,
     comm: Any = None,
     method: str = "standard",
     history: int = 0,
@@ -65,7 +65,10 @@ def cg(
       maxiter: iteration limit (default 10 × the global size).
       M: preconditioner, a callable approximating A⁻¹ (HPD) in the same layout
         (e.g. :func:`distlinalg.solvers.jacobi`); not differentiated.
-      layout: ``"replicated"`` or ``"sharded"`` (see distlinalg.solvers).
+      layout: ``"replicated"`` or ``"sharded"`` (see distlinalg.solvers);
+        default: the operator's ``layout`` for a distlinalg operator, else
+        replicated. A real-linear operator (``A.real_linear``, e.g. a
+        "complex"-mode Gram matrix) is solved on (Re, Im) pairs.
       comm: mpi4py communicator (default distlinalg's).
       method: ``"standard"`` (2 allreduces per iteration in the sharded
         layout) or ``"single_reduction"`` (Chronopoulos–Gear, 1 allreduce).
@@ -87,6 +90,11 @@ def cg(
     """
     if method not in METHODS:
         raise ValueError(f"distlinalg.cg: method must be one of {METHODS}, got {method!r}")
+    if C.is_real_linear(A):
+        return C.solve_real_linear(
+            cg, A, b, x0, M, tol=tol, rtol=rtol, atol=atol, maxiter=maxiter, layout=layout, comm=comm,
+            method=method, history=history, monitor=monitor,
+        )
     p = C.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
     body = _standard if method == "standard" else _single_reduction
 

@@ -43,7 +43,7 @@ def minres(
     atol: float = 0.0,
     maxiter: int | None = None,
     M: Any = None,
-    layout: str = "replicated",
+    layout: str | None = None,
     comm: Any = None,
     history: int = 0,
     monitor: bool = False,
@@ -71,6 +71,11 @@ def minres(
     gradients cost one more MINRES solve; derivatives with respect to the
     shift are not propagated (it is treated as a constant).
     """
+    if C.is_real_linear(A):
+        return C.solve_real_linear(
+            minres, A, b, x0, M, shift=shift, tol=tol, rtol=rtol, atol=atol, maxiter=maxiter, layout=layout,
+            comm=comm, history=history, monitor=monitor,
+        )
     p = C.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
     shift = jax.lax.stop_gradient(jnp.asarray(shift))
 

@@ -1,0 +1,32 @@
+"""Distributed linear operators for the Krylov solvers.
+
+Explicit matrices split across ranks (``sparse_rows`` with a halo exchange,
+``dense_rows`` / ``dense_columns``, the matrix-free ``laplacian_2d``) and
+operators from automatic differentiation of a model on sharded data
+(``gram``: the Jacobian Gram / QGT / Fisher matrix; ``hessian``;
+``gauss_newton``). Every one is a :class:`LinearOperator` with a layout the
+solvers read, and is differentiable with respect to what it closes over.
+"""
+
+from ._base import LinearOperator, aslinearoperator
+from ._partition import Partition
+from .curvature import gauss_newton, hessian
+from .dense import dense_columns, dense_rows
+from .gram import GramOperator, gram
+from .sparse import SparseRowsOperator, sparse_rows
+from .stencil import laplacian_2d
+
+__all__ = [
+    "LinearOperator",
+    "aslinearoperator",
+    "Partition",
+    "gram",
+    "GramOperator",
+    "hessian",
+    "gauss_newton",
+    "sparse_rows",
+    "SparseRowsOperator",
+    "dense_rows",
+    "dense_columns",
+    "laplacian_2d",
+]

@@ -1,0 +1,89 @@
+"""The matrix-free 2-D 5-point Laplacian on a row-decomposed grid.
+
+The n×n interior grid of the unit square (Dirichlet boundary, unscaled: 4
+on the diagonal, -1 for each of the four neighbours) is split into blocks
+of whole grid rows; a matvec needs one grid row from the block above and
+one from the block below, which two sendrecvs deliver (the ends of the
+chain talk to PROC_NULL). The standard Krylov benchmark problem.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._mpi import MPI, resolve_comm
+from ..comm.p2p import sendrecv
+from ._base import LinearOperator
+from ._partition import Partition, resolve_partition
+
+
+def _stencil(u: jax.Array, above: jax.Array, below: jax.Array) -> jax.Array:
+    """4u − the four neighbours; `above`/`below` are the grid rows beyond the block."""
+    padded = jnp.concatenate([above[None], u, below[None]], axis=0)
+    left = jnp.pad(u[:, :-1], ((0, 0), (1, 0)))
+    right = jnp.pad(u[:, 1:], ((0, 0), (0, 1)))
+    return 4 * u - padded[:-2] - padded[2:] - left - right
+
+
+def laplacian_2d(n: int, *, row_partition: Any = None, dtype: Any = None, comm: Any = None) -> LinearOperator:
+    """The 2-D 5-point Laplacian on an n×n grid, grid rows split across ranks.
+
+    Args:
+      n: grid points per side (the matrix is n² × n²), any n ≥ 1 and any
+        number of ranks (ranks beyond n hold no rows and skip the exchange).
+      row_partition: grid rows per rank (default an even split, the first
+        n % P ranks one row more); must add up to n.
+      dtype: of the vectors (default float64 with x64 enabled, else float32).
+      comm: communicator (default distlinalg's).
+
+    Returns:
+      A sharded, symmetric LinearOperator on flat vectors: rank r holds grid
+      rows [s_r, s_{r+1}) in row-major order, a vector of shape
+      ((s_{r+1} − s_r)·n,) — the rows of the matrix
+      ``kron(I, T) + kron(T, I)``, T = tridiag(−1, 2, −1), that rank owns.
+      Two sendrecvs of n entries per matvec; ``diagonal()`` is 4.
+      ``op.grid_rows`` is this rank's (s_r, s_{r+1}).
+    """
+    comm = resolve_comm(comm)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"distlinalg.operators.laplacian_2d: n must be a positive int, got {n!r}")
+    dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(float)
+    grid_rows: Partition = resolve_partition(row_partition, n, comm, "row_partition")
+    rank = comm.rank
+    mine = grid_rows.size_of(rank)
+    holders = [r for r in range(comm.size) if grid_rows.size_of(r) > 0]
+    if mine:
+        position = holders.index(rank)
+        up = holders[position - 1] if position > 0 else MPI.PROC_NULL
+        down = holders[position + 1] if position + 1 < len(holders) else MPI.PROC_NULL
+    else:
+        up = down = MPI.PROC_NULL
+
+    def matvec(v: Any) -> Any:
+        v = jnp.asarray(v)
+        if not mine:
+            return v
+        u = v.reshape(mine, n)
+        boundary = jnp.zeros((n,), v.dtype)
+        # My last row goes down and my first row goes up; what arrives is
+        # the row just above (from `up`) and just below (from `down`).
+        above = sendrecv(u[-1], boundary, up, down, sendtag=1, recvtag=1, comm=comm)
+        below = sendrecv(u[0], boundary, down, up, sendtag=2, recvtag=2, comm=comm)
+        return _stencil(u, above, below).reshape(-1)
+
+    op = LinearOperator(
+        matvec,
+        input_structure=jax.ShapeDtypeStruct((mine * n,), dtype),
+        layout="sharded",
+        symmetric=True,
+        hermitian=True,
+        diagonal=lambda: jnp.full((mine * n,), 4, dtype),
+        comm=comm,
+        name="Laplacian2D",
+    )
+    op.grid_rows = (grid_rows.starts[rank], grid_rows.starts[rank + 1])
+    op.n = n
+    return op

@@ -1,0 +1,412 @@
+"""distlinalg.operators.gram / hessian / gauss_newton against dense
+single-process references built from the gathered samples with jax.jacfwd
+and jax.hessian; gradients through cg with a Gram operator."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import distlinalg as dl
+from distlinalg import operators as ops
+from distlinalg.comm import allgather, allreduce, reduce_scatter
+
+VISIBLE, HIDDEN = 4, 3
+
+
+def samples_of(counts, rank, seed=0):
+    """±1 configurations: all ranks' samples (global) and this rank's slice."""
+    total = int(sum(counts))
+    everything = np.random.default_rng(seed).choice([-1.0, 1.0], size=(total, VISIBLE))
+    start = int(sum(counts[:rank]))
+    return everything, everything[start : start + counts[rank]]
+
+
+def params_of(dtype, seed=1):
+    rng = np.random.default_rng(seed)
+
+    def draw(*shape):
+        x = 0.3 * rng.standard_normal(shape)
+        if np.issubdtype(dtype, np.complexfloating):
+            x = x + 0.3j * rng.standard_normal(shape)
+        return jnp.asarray(x, dtype)
+
+    return {"W": draw(HIDDEN, VISIBLE), "b": draw(HIDDEN), "a": draw(VISIBLE)}
+
+
+def rbm(p, x):
+    """log ψ of a restricted Boltzmann machine (holomorphic in p)."""
+    return x @ p["a"] + jnp.sum(jnp.log(jnp.cosh(x @ p["W"].T + p["b"])), axis=-1)
+
+
+def rbm_with_phase(p, x):
+    """Real parameters, complex output: the "real" mode's two channels."""
+    return rbm(p, x) + 1j * jnp.sum(jnp.sin(x @ p["W"].T), axis=-1)
+
+
+def non_holomorphic(p, x):
+    """Complex parameters through conj: only the "complex" mode is right."""
+    return rbm(p, x) + 0.5 * x @ jnp.conj(p["a"]) * 1j
+
+
+MODELS = {
+    "real": (rbm, np.float64),
+    "real-complex-output": (rbm_with_phase, np.float64),
+    "holomorphic": (rbm, np.complex128),
+    "complex": (non_holomorphic, np.complex128),
+}
+
+
+def dense_reference(f, params, everything, mode, center, diag_shift, diag_scale):
+    """(S + λ I + ε diag S, diag of that) from the Jacobian of all samples."""
+    flat, unravel = ravel_pytree(params)
+    X = jnp.asarray(everything)
+    if mode == "complex":
+        n = flat.size
+        theta = jnp.concatenate([jnp.real(flat), jnp.imag(flat)])
+        J = jax.jacfwd(lambda t: f(unravel(t[:n] + 1j * t[n:]), X).astype(complex))(theta)
+    elif mode == "holomorphic":
+        J = jax.jacfwd(lambda t: f(unravel(t), X), holomorphic=True)(flat)
+    else:
+        J = jax.jacfwd(lambda t: f(unravel(t), X))(flat)
+    J = np.asarray(J)
+    if center:
+        J = J - J.mean(axis=0)
+    S = J.conj().T @ J / J.shape[0]
+    if mode != "holomorphic":
+        S = S.real
+    d = np.diagonal(S).copy()
+    if diag_scale is not None:
+        S = S + diag_scale * np.diag(d)
+    S = S + diag_shift * np.eye(S.shape[0])
+    return S, np.diagonal(S).copy()
+
+
+GRAM_CASES = [
+    # (model, center, diag_shift, diag_scale, chunk_size)
+    ("real", True, 0.0, None, None),
+    ("real", False, 0.1, 0.05, 2),
+    ("real-complex-output", True, 0.01, None, None),
+    ("real-complex-output", True, 0.0, 0.1, 3),
+    ("holomorphic", True, 0.0, None, None),
+    ("holomorphic", False, 0.02, 0.1, 2),
+    ("complex", True, 0.0, None, None),
+    ("complex", True, 0.05, 0.2, 3),
+]
+
+
+@pytest.mark.parametrize("model,center,diag_shift,diag_scale,chunk_size", GRAM_CASES)
+def test_gram_against_dense_jacobian(comm, rank, size, model, center, diag_shift, diag_scale, chunk_size):
+    f, dtype = MODELS[model]
+    mode = model.split("-")[0]
+    counts = [5 + r for r in range(size)]  # uneven on purpose
+    everything, mine = samples_of(counts, rank)
+    params = params_of(dtype)
+    op = ops.gram(f, params, jnp.asarray(mine), center=center, diag_shift=diag_shift, diag_scale=diag_scale,
+                  mode=mode, chunk_size=chunk_size, comm=comm)
+    assert op.layout == "replicated" and op.hermitian
+    S, d = dense_reference(f, params, everything, mode, center, diag_shift, diag_scale)
+    np.testing.assert_allclose(np.asarray(op.to_dense()), S, rtol=1e-11, atol=1e-12)
+
+    flat, unravel = ravel_pytree(params)
+    rng = np.random.default_rng(2)
+    v = rng.standard_normal(flat.size) + (1j * rng.standard_normal(flat.size) if mode != "real" else 0)
+    out, _ = ravel_pytree(jax.jit(op.matvec)(unravel(jnp.asarray(v, flat.dtype))))
+    if mode == "complex":
+        pair = S @ np.concatenate([v.real, v.imag])
+        expected = pair[: flat.size] + 1j * pair[flat.size :]
+    else:
+        expected = S @ v
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-11, atol=1e-12)
+
+    diagonal, _ = ravel_pytree(op.diagonal())
+    expected_diagonal = d[: flat.size] + 1j * d[flat.size :] if mode == "complex" else d
+    np.testing.assert_allclose(np.asarray(diagonal), expected_diagonal, rtol=1e-11, atol=1e-12)
+
+
+def hidden_split(size):
+    """Hidden units per rank for the sharded-parameter model (uneven)."""
+    return [2 + (r % 2) for r in range(size)]
+
+
+def sharded_block(rank, size, seed=3):
+    sizes = hidden_split(size)
+    rng = np.random.default_rng(seed)
+    W = 0.3 * rng.standard_normal((sum(sizes), VISIBLE))
+    b = 0.3 * rng.standard_normal(sum(sizes))
+    start = sum(sizes[:rank])
+    return {"W": jnp.asarray(W[start : start + sizes[rank]]), "b": jnp.asarray(b[start : start + sizes[rank]])}, (W, b)
+
+
+def tensor_parallel_rbm(comm):
+    """log ψ with the hidden units split across ranks: every rank computes its
+    units' contribution for every rank's samples, and a reduce_scatter hands
+    each rank the sum for its own samples."""
+
+    def f(p, x):
+        every_sample = allgather(x, comm=comm)  # (P, n, visible)
+        part = jnp.sum(jnp.log(jnp.cosh(every_sample @ p["W"].T + p["b"])), axis=-1)  # (P, n)
+        return reduce_scatter(part, "sum", comm=comm)
+
+    return f
+
+
+@pytest.mark.parametrize("center,diag_scale,chunk_size", [(True, None, None), (False, 0.1, 2), (True, 0.2, 3)])
+def test_gram_with_sharded_params(comm, rank, size, center, diag_scale, chunk_size):
+    counts = [6] * size
+    everything, mine = samples_of(counts, rank, seed=4)
+    block, (W, b) = sharded_block(rank, size)
+    op = ops.gram(tensor_parallel_rbm(comm), block, jnp.asarray(mine), center=center, diag_shift=0.01,
+                  diag_scale=diag_scale, chunk_size=chunk_size, sharded_params=True, comm=comm)
+    assert op.layout == "sharded"
+    sizes = hidden_split(size)
+
+    # The global parameter vector in to_dense's order: rank 0's block (W, b) first.
+    def split(flat):
+        blocks, at = [], 0
+        for h in sizes:
+            Wr = flat[at : at + h * VISIBLE].reshape(h, VISIBLE)
+            br = flat[at + h * VISIBLE : at + h * VISIBLE + h]
+            blocks.append((Wr, br))
+            at += h * (VISIBLE + 1)
+        return jnp.concatenate([w for w, _ in blocks]), jnp.concatenate([c for _, c in blocks])
+
+    def full(flat, X):
+        Wf, bf = split(flat)
+        return jnp.sum(jnp.log(jnp.cosh(X @ Wf.T + bf)), axis=-1)
+
+    starts = np.cumsum([0] + sizes)
+    flat = np.concatenate([np.concatenate([W[s:e].ravel(), b[s:e]]) for s, e in zip(starts[:-1], starts[1:])])
+    J = np.asarray(jax.jacfwd(full)(jnp.asarray(flat), jnp.asarray(everything)))
+    if center:
+        J = J - J.mean(axis=0)
+    S = J.T @ J / J.shape[0]
+    d = np.diagonal(S).copy()
+    if diag_scale is not None:
+        S = S + diag_scale * np.diag(d)
+    S = S + 0.01 * np.eye(S.shape[0])
+    np.testing.assert_allclose(np.asarray(op.to_dense()), S, rtol=1e-11, atol=1e-12)
+
+    v = np.random.default_rng(5).standard_normal(flat.size)
+    mine_at = slice(int(starts[rank] * (VISIBLE + 1)), int(starts[rank + 1] * (VISIBLE + 1)))
+    _, unravel = ravel_pytree(block)
+    out, _ = ravel_pytree(jax.jit(op.matvec)(unravel(jnp.asarray(v[mine_at]))))
+    np.testing.assert_allclose(np.concatenate(comm.allgather(np.asarray(out))), S @ v, rtol=1e-11, atol=1e-12)
+    diagonal, _ = ravel_pytree(op.diagonal())
+    np.testing.assert_allclose(np.concatenate(comm.allgather(np.asarray(diagonal))), np.diagonal(S), rtol=1e-11)
+
+
+@pytest.mark.parametrize("mode", ["real", "holomorphic", "complex"])
+def test_cg_on_gram_matches_dense_solve(comm, rank, size, mode):
+    f, dtype = MODELS["real-complex-output" if mode == "real" else mode]
+    counts = [7] * size
+    everything, mine = samples_of(counts, rank, seed=6)
+    params = params_of(dtype, seed=7)
+    flat, unravel = ravel_pytree(params)
+    rng = np.random.default_rng(8)
+    F = rng.standard_normal(flat.size) + (1j * rng.standard_normal(flat.size) if mode != "real" else 0)
+    op = ops.gram(f, params, jnp.asarray(mine), diag_shift=0.01, mode=mode, comm=comm)
+    x, info = dl.cg(op, unravel(jnp.asarray(F, flat.dtype)), rtol=1e-13, maxiter=500)
+    assert bool(info.converged)
+    S, _ = dense_reference(f, params, everything, mode, True, 0.01, None)
+    x_flat, _ = ravel_pytree(x)
+    if mode == "complex":
+        pair = np.linalg.solve(S, np.concatenate([F.real, F.imag]))
+        expected = pair[: flat.size] + 1j * pair[flat.size :]
+    else:
+        expected = np.linalg.solve(S, F)
+    np.testing.assert_allclose(np.asarray(x_flat), expected, rtol=1e-9, atol=1e-11)
+    y, info = dl.minres(op, unravel(jnp.asarray(F, flat.dtype)), rtol=1e-13, maxiter=500)
+    np.testing.assert_allclose(np.asarray(ravel_pytree(y)[0]), expected, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_grad_through_cg_on_gram(comm, rank, size, sharded):
+    """d/dθ of a replicated loss of the SR update δ = (S(θ) + λ)⁻¹ F(θ)."""
+    counts = [5] * size
+    everything, mine = samples_of(counts, rank, seed=9)
+    X = jnp.asarray(mine)
+    if sharded:
+        block, (W, b) = sharded_block(rank, size, seed=10)
+        f = tensor_parallel_rbm(comm)
+        sizes = hidden_split(size)
+        starts = np.cumsum([0] + sizes)
+    else:
+        block = params_of(np.float64, seed=10)
+        f = rbm
+
+    def force(p):
+        # F = Σ_k O_k e_k / N with e_k a fixed function of the sample: the
+        # parameters reach F through the model's VJP (and its collectives).
+        _, pullback = jax.vjp(lambda q: f(q, X), p)
+        (g,) = pullback(jnp.sin(jnp.sum(X, axis=1)) / sum(counts))
+        return g if sharded else allreduce(g, "sum", comm=comm)
+
+    def loss(p):
+        op = ops.gram(f, p, X, diag_shift=0.1, sharded_params=sharded, comm=comm)
+        delta, _ = dl.cg(op, force(p), rtol=1e-13, maxiter=500)
+        local = sum(jnp.sum(jnp.tanh(leaf)) for leaf in jax.tree_util.tree_leaves(delta))
+        return allreduce(local, "sum", comm=comm) if sharded else local
+
+    value, grad = dl.ad.value_and_grad(loss, sharded=(0,) if sharded else (), comm=comm)(block)
+    grad_flat = np.asarray(ravel_pytree(grad)[0])
+
+    Xall = jnp.asarray(everything)
+    e = jnp.sin(jnp.sum(Xall, axis=1)) / Xall.shape[0]
+    if sharded:
+        def model(theta):
+            parts = [theta[int(s * (VISIBLE + 1)) : int(t * (VISIBLE + 1))] for s, t in zip(starts[:-1], starts[1:])]
+            Wf = jnp.concatenate([q[: (t - s) * VISIBLE].reshape(-1, VISIBLE) for q, s, t in zip(parts, starts, starts[1:])])
+            bf = jnp.concatenate([q[(t - s) * VISIBLE :] for q, s, t in zip(parts, starts, starts[1:])])
+            return jnp.sum(jnp.log(jnp.cosh(Xall @ Wf.T + bf)), axis=-1)
+
+        theta0 = np.concatenate([np.concatenate([W[s:t].ravel(), b[s:t]]) for s, t in zip(starts[:-1], starts[1:])])
+    else:
+        theta0, unravel = ravel_pytree(block)
+
+        def model(theta):
+            return rbm(unravel(theta), Xall)
+
+    def reference(theta):
+        J = jax.jacfwd(model)(theta)
+        Jc = J - J.mean(axis=0)
+        S = Jc.T @ Jc / J.shape[0] + 0.1 * jnp.eye(theta.size)
+        delta = jnp.linalg.solve(S, J.T @ e)
+        return jnp.sum(jnp.tanh(delta))
+
+    theta0 = jnp.asarray(theta0)
+    np.testing.assert_allclose(float(value), float(reference(theta0)), rtol=1e-9)
+    expected = np.asarray(jax.grad(reference)(theta0))
+    got = np.concatenate(comm.allgather(grad_flat)) if sharded else grad_flat
+    np.testing.assert_allclose(got, expected, rtol=1e-7, atol=1e-10)
+
+
+def test_gram_bad_input(comm, rank, size):
+    params = params_of(np.float64)
+    X = jnp.ones((4 + rank, VISIBLE))
+    if size > 1:
+        with pytest.raises(ValueError, match="equal_samples=True but the ranks hold"):
+            ops.gram(rbm, params, X, equal_samples=True, comm=comm)
+    with pytest.raises(ValueError, match="one value per local sample"):
+        ops.gram(lambda p, x: rbm(p, x)[:, None] * jnp.ones(2), params, X, comm=comm)
+    with pytest.raises(TypeError, match="mode='real' needs real parameters"):
+        ops.gram(rbm, params_of(np.complex128), X, comm=comm)
+    with pytest.raises(TypeError, match="needs complex parameters"):
+        ops.gram(rbm, params, X, mode="holomorphic", comm=comm)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ops.gram(rbm, params, X, mode="fisher", comm=comm)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        ops.gram(rbm, params, X, chunk_size=0, comm=comm)
+
+
+# ---------------------------------------------------------------------------
+# Hessian and Gauss-Newton of a replicated loss on sharded data
+def logistic_data(counts, rank, seed=11):
+    total = int(sum(counts))
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((total, 5))
+    y = np.sign(rng.standard_normal(total))
+    start = int(sum(counts[:rank]))
+    return (X, y), (jnp.asarray(X[start : start + counts[rank]]), jnp.asarray(y[start : start + counts[rank]]))
+
+
+def test_hessian_replicated_params(comm, rank, size):
+    counts = [6 + rank for rank in range(size)]
+    (Xa, ya), (X, y) = logistic_data(counts, rank)
+    N = sum(counts)
+    params = {"w": jnp.linspace(-0.5, 0.5, 5), "c": jnp.asarray(0.2)}
+
+    def loss(p, X, y):
+        local = jnp.sum(jnp.logaddexp(0.0, -y * (X @ p["w"] + p["c"])))
+        return allreduce(local, "sum", comm=comm) / N + 0.05 * jnp.sum(p["w"] ** 4)
+
+    op = ops.hessian(loss, params, X, y, comm=comm)
+    flat, unravel = ravel_pytree(params)
+
+    def reference(theta):
+        p = unravel(theta)
+        return jnp.mean(jnp.logaddexp(0.0, -ya * (Xa @ p["w"] + p["c"]))) + 0.05 * jnp.sum(p["w"] ** 4)
+
+    H = np.asarray(jax.hessian(reference)(flat))
+    np.testing.assert_allclose(np.asarray(op.to_dense()), H, rtol=1e-11, atol=1e-13)
+    v = jnp.arange(1.0, 7.0)
+    np.testing.assert_allclose(np.asarray(ravel_pytree(jax.jit(op.matvec)(unravel(v)))[0]), H @ np.asarray(v),
+                               rtol=1e-11)
+    # Newton step with MINRES (H may be indefinite in general).
+    g = jax.grad(reference)(flat)
+    step, info = dl.minres(op, unravel(g), rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(ravel_pytree(step)[0]), np.linalg.solve(H, np.asarray(g)), rtol=1e-8)
+
+
+def test_hessian_sharded_params(comm, rank, size):
+    """A feature-split linear model: rank r holds weights of its features."""
+    features = [2 + (r % 2) for r in range(size)]
+    total = sum(features)
+    rng = np.random.default_rng(12)
+    X = rng.standard_normal((9, total))
+    y = np.sign(rng.standard_normal(9))
+    w = 0.3 * rng.standard_normal(total)
+    start = sum(features[:rank])
+    cols = slice(start, start + features[rank])
+
+    def loss(w_r, X_r, y):
+        z = allreduce(X_r @ w_r, "sum", comm=comm)
+        return jnp.mean(jnp.logaddexp(0.0, -y * z)) + allreduce(jnp.sum(jnp.cos(w_r)), "sum", comm=comm)
+
+    op = ops.hessian(loss, jnp.asarray(w[cols]), jnp.asarray(X[:, cols]), jnp.asarray(y), sharded_params=True,
+                     comm=comm)
+    assert op.layout == "sharded"
+    H = np.asarray(jax.hessian(lambda w: jnp.mean(jnp.logaddexp(0.0, -y * (X @ w))) + jnp.sum(jnp.cos(w)))(jnp.asarray(w)))
+    np.testing.assert_allclose(np.asarray(op.to_dense()), H, rtol=1e-11, atol=1e-13)
+
+
+def test_gauss_newton(comm, rank, size):
+    counts = [4 + (rank % 2) for rank in range(size)]
+    (Xa, ya), (X, _) = logistic_data(counts, rank, seed=13)
+    N = sum(counts)
+    rng = np.random.default_rng(14)
+    params = {"W": jnp.asarray(0.4 * rng.standard_normal((5, 3))), "b": jnp.asarray(0.1 * rng.standard_normal(3))}
+    labels = np.arange(N) % 3
+    mine = labels[sum(counts[:rank]) : sum(counts[: rank + 1])]
+
+    def f(p, X):
+        return jnp.tanh(X @ p["W"] + p["b"])
+
+    def loss_of_outputs(out):
+        local = jnp.sum(jax.nn.logsumexp(out, axis=1) - out[jnp.arange(out.shape[0]), mine])
+        return allreduce(local, "sum", comm=comm) / N
+
+    op = ops.gauss_newton(f, loss_of_outputs, params, X, comm=comm)
+    flat, unravel = ravel_pytree(params)
+    Xa = jnp.asarray(Xa)
+    J = np.asarray(jax.jacfwd(lambda t: f(unravel(t), Xa).reshape(-1))(flat))
+    outputs = f(params, Xa)
+
+    def global_loss(o):
+        o = o.reshape(N, 3)
+        return jnp.mean(jax.nn.logsumexp(o, axis=1) - o[jnp.arange(N), labels])
+
+    Hout = np.asarray(jax.hessian(global_loss)(outputs.reshape(-1)))
+    G = J.T @ Hout @ J
+    np.testing.assert_allclose(np.asarray(op.to_dense()), G, rtol=1e-11, atol=1e-13)
+    x, info = dl.cg(op, unravel(jnp.ones(flat.size)), rtol=1e-12, maxiter=200)
+    # G is PSD and may be singular: compare A x with b where solvable, via a shift.
+    shifted = ops.LinearOperator(lambda v: jax.tree_util.tree_map(lambda a, b: a + 0.1 * b, op.matvec(v), v),
+                                 input_structure=params, comm=comm)
+    x, info = dl.cg(shifted, unravel(jnp.ones(flat.size)), rtol=1e-12, maxiter=200)
+    assert bool(info.converged)
+    np.testing.assert_allclose(np.asarray(ravel_pytree(x)[0]), np.linalg.solve(G + 0.1 * np.eye(flat.size),
+                                                                                np.ones(flat.size)), rtol=1e-8)
+
+
+def test_curvature_bad_input(comm, rank, size):
+    params = {"w": jnp.ones(3)}
+    with pytest.raises(ValueError, match="must return a real scalar"):
+        ops.hessian(lambda p: p["w"], params, comm=comm)
+    with pytest.raises(TypeError, match="real floating"):
+        ops.hessian(lambda p: jnp.sum(jnp.abs(p["w"])), {"w": jnp.ones(3, complex)}, comm=comm)
+    with pytest.raises(ValueError, match="must return a real scalar"):
+        ops.gauss_newton(lambda p, x: x * p["w"], lambda o: o, params, jnp.ones(3), comm=comm)
