@@ -410,3 +410,48 @@ def test_curvature_bad_input(comm, rank, size):
         ops.hessian(lambda p: jnp.sum(jnp.abs(p["w"])), {"w": jnp.ones(3, complex)}, comm=comm)
     with pytest.raises(ValueError, match="must return a real scalar"):
         ops.gauss_newton(lambda p, x: x * p["w"], lambda o: o, params, jnp.ones(3), comm=comm)
+
+
+def _count_primitives(jaxpr, name):
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == name
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += _count_primitives(inner, name)
+    return total
+
+
+@pytest.mark.parametrize("diag_scale", [None, 0.1])
+def test_gram_matvec_is_one_allreduce_and_linearized_once(comm, rank, size, diag_scale):
+    """One parameter-sized allreduce per matvec, and no model evaluation in it
+    (the model was linearized at construction: no log/cosh in the matvec)."""
+    _, mine = samples_of([6] * size, rank)
+    params = params_of(np.float64)
+    op = ops.gram(rbm, params, jnp.asarray(mine), diag_scale=diag_scale, comm=comm)
+    jaxpr = jax.make_jaxpr(op.matvec)(params).jaxpr
+    assert _count_primitives(jaxpr, "distlinalg_allreduce") == (1 if size > 1 else 0)
+    assert _count_primitives(jaxpr, "log") == 0 and _count_primitives(jaxpr, "cosh") == 0
+
+
+def test_curvature_matvecs_are_one_allreduce(comm, rank, size):
+    (_, _), (X, y) = logistic_data([5] * size, rank)
+    params = {"w": jnp.ones(5) * 0.1, "c": jnp.asarray(0.0)}
+
+    def loss(p, X, y):
+        return allreduce(jnp.sum(jnp.logaddexp(0.0, -y * (X @ p["w"] + p["c"]))), "sum", comm=comm)
+
+    def loss_of_outputs(out):
+        return allreduce(jnp.sum(jnp.logaddexp(0.0, -y * out)), "sum", comm=comm)
+
+    expected = 1 if size > 1 else 0
+    for op in (ops.hessian(loss, params, X, y, comm=comm),
+               ops.gauss_newton(lambda p, X: X @ p["w"] + p["c"], loss_of_outputs, params, X, comm=comm)):
+        jaxpr = jax.make_jaxpr(op.matvec)(params).jaxpr
+        # The Hessian's matvec is the JVP of the gradient: its allreduces are
+        # the gradient's (one fused message) and the loss's tangent (a scalar).
+        assert _count_primitives(jaxpr, "distlinalg_allreduce") <= expected * 2
+        sizes = [int(np.prod(e.invars[0].aval.shape)) for e in jaxpr.eqns if e.primitive.name == "distlinalg_allreduce"]
+        assert sum(s > 1 for s in sizes) == expected  # one parameter-sized message

@@ -102,7 +102,7 @@ def _leaf_mask(flags: Any, grad_tree: Any, argnum: int) -> list[bool]:
     return jax.tree_util.tree_leaves(mask)
 
 
-def _sum_over_ranks(leaves: list[Any], comm: Communicator) -> list[Any]:
+def sum_over_ranks(leaves: list[Any], comm: Communicator) -> list[Any]:
     """allreduce-sum of every leaf, one message per dtype.
 
     Models have many small parameter arrays; one concatenated message per
@@ -251,7 +251,7 @@ def value_and_grad(
                 flat.append((leaves, mask))
                 treedefs.append(treedef)
             replicated = [leaf for leaves, mask in flat for leaf, s in zip(leaves, mask) if not s]
-            reduced = iter(_sum_over_ranks(replicated, communicator))
+            reduced = iter(sum_over_ranks(replicated, communicator))
             grads = [
                 jax.tree_util.tree_unflatten(
                     treedef, [leaf if s else next(reduced) for leaf, s in zip(leaves, mask)]

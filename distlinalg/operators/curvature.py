@@ -19,8 +19,7 @@ import jax.numpy as jnp
 
 from .. import ad
 from .._mpi import resolve_comm
-from ..comm.allreduce import allreduce
-from ._base import LinearOperator
+from ._base import LinearOperator, sum_over_ranks
 
 _NAME = "distlinalg.operators"
 
@@ -117,7 +116,7 @@ def gauss_newton(
         if sharded_params or comm.size == 1:
             return local
         # Rank r's transpose covers its own copy of the parameters.
-        return allreduce(local, "sum", comm=comm)
+        return sum_over_ranks(local, comm)
 
     return LinearOperator(
         matvec,

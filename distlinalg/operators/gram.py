@@ -35,7 +35,7 @@ import numpy as np
 from .._mpi import Communicator, resolve_comm
 from ..comm import _core
 from ..comm.allreduce import allreduce
-from ._base import LinearOperator, exchange_sizes
+from ._base import LinearOperator, exchange_sizes, sum_over_ranks as _fused_sum
 
 MODES = ("real", "holomorphic", "complex")
 _NAME = "distlinalg.operators.gram"
@@ -214,7 +214,7 @@ def gram(
     replicated = not sharded_params
 
     def sum_over_ranks(tree: Any) -> Any:
-        return allreduce(tree, "sum", comm=comm) if replicated and comm.size > 1 else tree
+        return _fused_sum(tree, comm) if replicated else tree
 
     def adjoint(transpose: Callable[[Any], Any], w: jax.Array) -> Any:
         """Jᴴ w from the unconjugated transpose Jᵀ (conjugates cancel for real θ)."""

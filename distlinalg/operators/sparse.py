@@ -6,9 +6,11 @@ are found once, at construction, from the column pattern: each rank tells
 every owner which of its entries it needs, and every matvec then moves just
 those entries with one alltoall (blocks padded to the largest request, the
 alltoallv of a fixed-size collective). The local product runs on the
-extended vector z = [x_r; halo] in ELLPACK form (rows padded to the longest
-row: a gather, a multiply and a row sum, which XLA vectorises) or, for very
-uneven rows, as a segment sum. The pattern is static; the values may be
+extended vector z = [x_r; halo], stored by diagonals when the pattern has
+few distinct offsets (stencils and banded matrices: a sum of shifted
+slices, which XLA fuses into one streaming loop), else in ELLPACK form
+(rows padded to the longest row: a gather, a multiply and a row sum) or,
+for very uneven rows, as a segment sum. The pattern is static; the values may be
 traced and are differentiated like any input.
 """
 
@@ -26,6 +28,7 @@ from ._base import LinearOperator
 from ._partition import Partition, partition_of_local_sizes, resolve_partition
 
 _NAME = "distlinalg.operators.sparse_rows"
+_MAX_DIAGONALS = 32  # DIA storage beyond this many offsets unrolls too far
 
 
 def _as_csr(matrix: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int]]:
@@ -169,14 +172,29 @@ class _Pattern:
         width = int(lengths.max()) if m else 0
         self.row_ids = np.repeat(np.arange(m), lengths)
         self.local_cols = local_cols
-        # ELLPACK unless padding would more than double the stored entries.
-        self.ell = m == 0 or width * m <= 2 * self.nnz + m
-        if self.ell:
+        self.n_extended = columns.size_of(comm.rank) + self.plan.send_index.size
+        # Local storage, the fastest that does not bloat the stored entries:
+        # DIA when the (local row, extended column) pattern has few distinct
+        # offsets (stencils, banded matrices: shifted slices, no gather),
+        # ELLPACK when rows are of similar length (one gather), else a
+        # segment sum.
+        offsets = np.unique(local_cols - self.row_ids) if self.nnz else np.zeros(0, np.int64)
+        if m and 0 < offsets.size <= _MAX_DIAGONALS and offsets.size * m <= 2 * self.nnz + m:
+            self.format = "dia"
+            self.offsets = offsets
+            self.dia_positions = np.full((offsets.size, m), self.nnz, np.int64)  # nnz -> an appended 0
+            self.dia_positions[np.searchsorted(offsets, local_cols - self.row_ids), self.row_ids] = np.arange(self.nnz)
+            self.pad_before = max(0, -int(offsets.min()))
+            self.pad_after = max(0, int(offsets.max()) + m - self.n_extended)
+        elif m == 0 or width * m <= 2 * self.nnz + m:
+            self.format = "ell"
             slot = np.arange(self.nnz) - indptr[self.row_ids]
-            self.ell_positions = np.full((m, width), self.nnz, np.int64)  # nnz -> an appended 0
+            self.ell_positions = np.full((m, width), self.nnz, np.int64)
             self.ell_positions[self.row_ids, slot] = np.arange(self.nnz)
             self.ell_cols = np.zeros((m, width), np.int64)
             self.ell_cols[self.row_ids, slot] = local_cols
+        else:
+            self.format = "segment"
         square = rows == columns
         if square:
             global_rows = self.row_ids + rows.starts[comm.rank]
@@ -185,15 +203,29 @@ class _Pattern:
         else:
             self.diagonal_positions = None
 
+    @property
+    def ell(self) -> bool:
+        return self.format == "ell"
+
     def local_values(self, data: jax.Array) -> jax.Array:
-        if self.ell:
-            return jnp.concatenate([data, jnp.zeros((1,), data.dtype)])[self.ell_positions]
-        return data
+        """The stored values in the local format (computed once per operator)."""
+        if self.format == "segment":
+            return data
+        padded = jnp.concatenate([data, jnp.zeros((1,), data.dtype)])
+        return padded[self.dia_positions if self.format == "dia" else self.ell_positions]
 
     def local_product(self, values: jax.Array, z: jax.Array) -> jax.Array:
+        """This rank's rows times the extended vector z = [x_r; halo]."""
         m = self.indptr.size - 1
-        if self.ell:
-            return jnp.sum(values * z[self.ell_cols], axis=1) if m else jnp.zeros((0,), jnp.result_type(values, z))
+        dtype = jnp.result_type(values, z)
+        if m == 0:
+            return jnp.zeros((0,), dtype)
+        if self.format == "dia":
+            z = jnp.pad(z, (self.pad_before, self.pad_after))
+            terms = [values[k] * z[self.pad_before + d : self.pad_before + d + m] for k, d in enumerate(self.offsets)]
+            return sum(terms[1:], terms[0]).astype(dtype)
+        if self.format == "ell":
+            return jnp.sum(values * z[self.ell_cols], axis=1)
         return jax.ops.segment_sum(values * z[self.local_cols], self.row_ids, num_segments=m,
                                    indices_are_sorted=True)
 
