@@ -90,8 +90,8 @@ def test_local_energy_matches_dense(name):
             Hm = U @ H @ U
         params = init_params(jax.random.PRNGKey(3), L, 2, jnp.complex128, scale=0.3)
         model = RBM(L, 2, jnp.complex128)
-        e_loc = ham.local_energy(model.log_psi, params, x, ham.couplings())
-        psi = np.exp(np.asarray(model.log_psi(params, x)))
+        e_loc = jax.jit(lambda p, y, c: ham.local_energy(model.log_psi, p, y, c))(params, x, ham.couplings())
+        psi = np.exp(np.asarray(jax.jit(model.log_psi)(params, x)))
         np.testing.assert_allclose(np.asarray(e_loc), (Hm @ psi) / psi, rtol=1e-10, atol=1e-10)
 
 
@@ -103,19 +103,26 @@ def test_sr_solve_matches_dense(comm, rank, size, mode):
     model = RBM(L, 1, dtype)
     params = init_params(jax.random.PRNGKey(1), L, 1, dtype, scale=0.4)
     x = jnp.asarray(np.random.default_rng(50 + rank).choice([-1.0, 1.0], (n, L)))
-    e_loc = tfim(L).local_energy(model.log_psi, params, x, tfim(L).couplings())
-    x_all = np.asarray(allgather(x, comm=comm)).reshape(size * n, L)
-    e_all = np.asarray(allgather(e_loc, comm=comm)).reshape(size * n)
     N = size * n
-    mean = e_all.mean()
-    F = force(model.log_psi, params, x, (e_loc - mean) / N, mode, False, comm)
     cfg = SRConfig(rtol=1e-14, maxiter=2000)
     shift = 1e-3
-    delta, info = sr_solve(model.log_psi, params, x, F, shift, cfg, mode, False, comm)
+
+    @jax.jit
+    def distributed(p, y):
+        e = tfim(L).local_energy(model.log_psi, p, y, tfim(L).couplings())
+        mean = distlinalg.comm.allreduce(jnp.sum(e), comm=comm) / N
+        F = force(model.log_psi, p, y, (e - mean) / N, mode, False, comm)
+        return e, F, *sr_solve(model.log_psi, p, y, F, shift, cfg, mode, False, comm)
+
+    e_loc, F, delta, info = distributed(params, x)
     assert int(info.reason) > 0
+    x_all = np.asarray(allgather(x, comm=comm)).reshape(size * n, L)
+    e_all = np.asarray(allgather(e_loc, comm=comm)).reshape(size * n)
+    mean = e_all.mean()
 
     flat, unravel = ravel_pytree(params)
-    O = np.asarray(jax.jacrev(lambda p: model.log_psi(unravel(p), jnp.asarray(x_all)), holomorphic=mode != "real")(flat))
+    jac = jax.jit(jax.jacrev(lambda p: model.log_psi(unravel(p), jnp.asarray(x_all)), holomorphic=mode != "real"))
+    O = np.asarray(jac(flat))
     if mode == "complex":  # (Re θ, Im θ): ∂/∂Im θ = i ∂/∂θ for a holomorphic model
         O = np.concatenate([O, 1j * O], axis=1)
     dO = O - O.mean(axis=0)
@@ -194,19 +201,18 @@ def test_meta_gradient_matches_finite_differences(tfim_run, comm):
     _same_on_all_ranks(np.array([mg["grad"][k] for k in sorted(mg["grad"])]), comm)
 
 
-def test_sharded_params_step_matches_replicated(size):
+def test_sharded_params_step_matches_replicated(rank):
     L = 8
     ham = tfim(L)
-    sampler = MetropolisSampler(L, "flip", 8, 8, 2)
+    sampler = MetropolisSampler(L, "flip", 8, 8, 2)  # not run: the samples are random configurations
     full = init_params(jax.random.PRNGKey(2), L, 1, scale=0.1)
     sharded = ShardedRBM(L, 1)
     cfg = SRConfig(rtol=1e-12)
     rep = VMC(ham, RBM(L, 1), sampler, cfg, full)
     shd = VMC(ham, sharded, sampler, cfg, sharded.block(full))
-    state = sampler.init_state(5, distlinalg.rank())
     cpl = ham.couplings()
-    out = rep.sample(full, state, cpl)
-    x = out["samples"]
+    x = jnp.asarray(np.random.default_rng(70 + rank).choice([-1.0, 1.0], (64, L)))
+    out = rep.estimate(full, x, cpl)
     est = shd.estimate(sharded.block(full), x, cpl)
     assert float(est["energy"]) == pytest.approx(float(out["energy"]), rel=1e-13)
     new_rep, info_rep, _ = rep.solve_update(full, x, out["force"], cfg.diag_shift, cfg.lr)

@@ -315,3 +315,66 @@ def test_check_grads_through_allgather_operator(comm, rank, size):
     x = solve(1.5, b)
     np.testing.assert_allclose(x, np.linalg.solve(1.5 * A, np.random.default_rng(22).standard_normal(N))[rows],
                                rtol=1e-9)
+
+
+@pytest.mark.parametrize("solver", ["cg", "cg1", "minres"])
+def test_stopping_decision_identical_on_every_rank(comm, rank, size, solver):
+    """Ranks that see different data still stop together with the same info."""
+    A = spd(30)
+    mv, rows = sharded_operator(A, comm)
+    b = np.random.default_rng(31).standard_normal(N)
+    block = b[rows].copy()
+    if rank == size - 1:
+        block[0] = np.inf  # one rank's entry is not finite
+    _, info = SOLVERS[solver](mv, jnp.asarray(block), rtol=1e-10, layout="sharded", comm=comm)
+    record = np.array([int(info.iterations), int(info.reason), bool(info.converged)])
+    assert (gather_global(record, comm) == record).all()
+    assert int(info.reason) == Reason.DIVERGED_NANORINF
+    # Replicated layout with copies that differ in the last bits (as after
+    # rank-dependent summation orders): still one decision for all.
+    noisy = b * (1 + 1e-15 * rank)
+    x, info = SOLVERS[solver](A, noisy, rtol=1e-10, comm=comm)
+    record = np.array([int(info.iterations), int(info.reason), bool(info.converged)])
+    assert (gather_global(record, comm) == record).all() and bool(info.converged)
+
+
+@pytest.mark.parametrize("solver", ["cg", "minres"])
+def test_traced_x0_and_preconditioner_are_not_differentiated(comm, solver):
+    """x0 and M may depend on the differentiated inputs: no error, and the
+    gradient is that of the exact solution (x0 and M only change the path)."""
+    A = spd(32)
+    c = np.random.default_rng(33).standard_normal(N)
+
+    def loss(scale, b):
+        S = scale * jnp.asarray(A)
+        x0 = 0.5 * b  # depends on b
+        M = jacobi(jnp.diagonal(S))  # depends on scale
+        x, _ = SOLVERS[solver](S, b, x0=x0, M=M, rtol=1e-13, comm=comm)
+        return jnp.dot(c, x)
+
+    def reference(scale, b):
+        return jnp.dot(c, jnp.linalg.solve(scale * jnp.asarray(A), b))
+
+    b = jnp.asarray(np.random.default_rng(34).standard_normal(N))
+    for mode in ("reverse", "forward"):
+        if mode == "reverse":
+            got = jax.grad(loss, argnums=(0, 1))(1.5, b)
+            ref = jax.grad(reference, argnums=(0, 1))(1.5, b)
+        else:
+            got = jax.jvp(loss, (1.5, b), (1.0, jnp.ones(N)))[1:]
+            ref = jax.jvp(reference, (1.5, b), (1.0, jnp.ones(N)))[1:]
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g, r, rtol=1e-7)
+
+
+@pytest.mark.parametrize("solver", ["cg", "minres"])
+def test_tiny_cotangent_does_not_underflow(comm, solver):
+    """A cotangent of 1e-300: its squared norm underflows to 0 unless the
+    backward right-hand side is normalised before the solve."""
+    A = spd(35)
+    c = jnp.asarray(np.random.default_rng(36).standard_normal(N))
+    b = jnp.asarray(np.random.default_rng(37).standard_normal(N))
+    g = jax.grad(lambda b: 1e-300 * jnp.dot(c, SOLVERS[solver](A, b, rtol=1e-12, comm=comm)[0]))(b)
+    expected = 1e-300 * np.linalg.solve(A.T, np.asarray(c))
+    assert np.all(np.isfinite(g)) and np.any(g != 0)
+    np.testing.assert_allclose(g, expected, rtol=1e-7)

@@ -155,6 +155,19 @@ class Reductions:
             values = allreduce(values, "sum", comm=self.comm)
         return [values[i] for i in range(len(pairs))]
 
+    def max_abs(self, tree: Any) -> Any:
+        """max |v_i| over the whole (global) vector, identical on every rank.
+
+        Used once per solve to scale the right-hand side: unlike the 2-norm,
+        it cannot underflow (a vector of 1e-300 entries has a squared norm of
+        0 in floating point).
+        """
+        leaves = [jnp.max(jnp.abs(leaf), initial=0.0) for leaf in jax.tree_util.tree_leaves(tree)]
+        value = jnp.max(jnp.stack(leaves)) if leaves else jnp.zeros(())
+        if self.comm.size == 1:
+            return value
+        return allreduce(value, "max", comm=self.comm)
+
     def agree(self, value: Any) -> Any:
         """The max over ranks of a local stopping quantity (replicated layout).
 

@@ -3,8 +3,8 @@
 `krylov_solve` puts an iteration behind `lax.custom_linear_solve`, so JVPs
 and gradients take one more solve with the same operator instead of
 differentiating through the iterations, and runs every solve on a
-right-hand side scaled to unit norm (tiny cotangents would otherwise
-underflow in the squared norms; the stopping test is scaled with it, so the
+right-hand side scaled to a largest entry of 1 (tiny cotangents would
+otherwise underflow in the squared norms; the stopping test is scaled with it, so the
 criterion ||r|| <= max(rtol ||b||, atol) is unchanged).
 """
 
@@ -37,9 +37,11 @@ def krylov_solve(
     complex_system = any(jnp.iscomplexobj(leaf) for leaf in jax.tree_util.tree_leaves(b))
 
     def solve(mv: Callable[[Any], Any], rhs: Any) -> tuple[Any, C.SolverInfo]:
-        (bb,) = reductions.dots([(rhs, rhs)])
-        norm = jnp.sqrt(jnp.real(bb))
-        scale = jnp.where(norm > 0, norm, jnp.ones_like(norm))
+        # Scale by the largest entry, not the 2-norm: the squared norm of a
+        # 1e-300 cotangent is already 0. A zero or non-finite rhs keeps
+        # scale 1 (the iteration then reports it).
+        largest = reductions.max_abs(rhs)
+        scale = jnp.where((largest > 0) & jnp.isfinite(largest), largest, jnp.ones_like(largest))
         x, info = iterate(mv, C.tree_scale(1 / scale, rhs), C.tree_scale(1 / scale, x0), atol / scale)
         info = info._replace(
             residual_norm=info.residual_norm * scale,
