@@ -2,13 +2,29 @@
 
 Import under ``mpiexec -n P python script.py``; every rank runs the same
 program. ``distlinalg.comm`` holds the MPI primitives, ``distlinalg.ad`` the
-helpers for exact gradients of replicated losses.
+helpers for exact gradients of replicated losses, ``distlinalg.solvers`` CG
+and MINRES, ``distlinalg.operators`` the distributed linear operators.
 """
 
 from ._version import __version__
+from . import _compat
+
+# Before anything starts XLA's CPU backend (see _compat.disable_ynn_fusion).
+YNN_FUSION = _compat.disable_ynn_fusion()
+if YNN_FUSION.startswith("left on"):
+    import warnings
+
+    warnings.warn(
+        "distlinalg was imported after JAX's CPU backend started, so XLA's YNN fusions stay on; "
+        "with jaxlib 0.10 they can give wrong results in jitted solves whose operator calls "
+        "distlinalg collectives. Import distlinalg before running JAX computations, or set "
+        "XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= yourself.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 from . import _mpi  # initialises MPI and registers the FFI handlers
-from . import ad, comm, solvers
+from . import ad, comm, operators, solvers
 from .comm import rank, size
 from .solvers import cg, minres
 
-__all__ = ["__version__", "ad", "comm", "solvers", "cg", "minres", "rank", "size"]
+__all__ = ["__version__", "ad", "comm", "operators", "solvers", "cg", "minres", "rank", "size"]

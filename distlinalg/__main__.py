@@ -46,6 +46,7 @@ def environment_report() -> str:
         f"world size:     {comm.size}",
         f"jax devices:    {', '.join(str(d) for d in jax.devices())}",
         f"CUDA support built: {'yes' if build['cuda'] else 'no'}",
+        f"XLA CPU YNN fusions: {distlinalg.YNN_FUSION}",
         f"debug log (DISTLINALG_DEBUG): {settings['debug_log']}; "
         f"signature check (DISTLINALG_CHECK): {settings['check_signatures']}",
     ]
@@ -53,6 +54,9 @@ def environment_report() -> str:
     everyone = comm.comm.allgather(f"rank {comm.rank} of {comm.size} on {host}")
     lines += ["ranks:"] + [f"  {line}" for line in everyone]
     return "\n".join(lines)
+
+
+import distlinalg  # noqa: E402
 
 
 def main() -> int:

@@ -82,3 +82,55 @@ def replace_lowering_avals(ctx: Any, avals_in: Any, avals_out: Any) -> Any:
 
 
 JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+# ---------------------------------------------------------------------------
+# XLA CPU's YNN fusions (jaxlib 0.10) return wrong values when a
+# distlinalg custom call and a fused dot meet inside custom_linear_solve (a
+# Gram operator of a communicating model built in the same jit as the
+# solve: reproducer in tests/test_gram.py). Until that is understood and
+# fixed upstream, distlinalg switches those fusions off before XLA starts.
+_YNN_FLAG = "xla_cpu_experimental_ynn_fusion_type"
+
+
+def _jaxlib_knows_flag(flag: str) -> bool:
+    """Whether the installed jaxlib defines an XLA flag (XLA aborts on unknown ones)."""
+    import glob
+    import mmap
+    import os
+
+    import jaxlib
+
+    needle = flag.encode()
+    for path in glob.glob(os.path.join(os.path.dirname(jaxlib.__file__), "*.so")):
+        try:
+            with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                if data.find(needle) >= 0:
+                    return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def disable_ynn_fusion() -> str:
+    """Add ``--xla_cpu_experimental_ynn_fusion_type=`` to XLA_FLAGS if it can
+    still take effect; returns what was done (for ``python -m distlinalg``).
+
+    ``DISTLINALG_YNN_FUSION=1`` keeps XLA's default; an XLA_FLAGS that
+    already names the flag is left alone.
+    """
+    import os
+
+    from jax._src import xla_bridge  # private
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if os.environ.get("DISTLINALG_YNN_FUSION", "") == "1":
+        return "kept (DISTLINALG_YNN_FUSION=1)"
+    if _YNN_FLAG in flags:
+        return "as set in XLA_FLAGS"
+    if not _jaxlib_knows_flag(_YNN_FLAG):
+        return "not present in this jaxlib"
+    if xla_bridge.backends_are_initialized():
+        return "left on: JAX's backend started before distlinalg was imported"
+    os.environ["XLA_FLAGS"] = f"{flags} --{_YNN_FLAG}=".strip()
+    return "disabled"

@@ -455,3 +455,30 @@ def test_curvature_matvecs_are_one_allreduce(comm, rank, size):
         assert _count_primitives(jaxpr, "distlinalg_allreduce") <= expected * 2
         sizes = [int(np.prod(e.invars[0].aval.shape)) for e in jaxpr.eqns if e.primitive.name == "distlinalg_allreduce"]
         assert sum(s > 1 for s in sizes) == expected  # one parameter-sized message
+
+
+def test_jitted_solve_on_communicating_gram_matches_eager(comm, rank, size):
+    """Regression: with XLA CPU's YNN fusions on (jaxlib 0.10), building this
+    operator and solving with it in one jit gave wrong solutions once the
+    model's allgather exceeded MPICH's eager limit (~4096 float64); distlinalg
+    now disables those fusions at import."""
+    L, H, n = 8, 4, 512
+    W = jnp.asarray(np.random.default_rng(rank).standard_normal((H, L))) * 0.3
+    X = jnp.asarray(np.random.default_rng(100 + rank).choice([-1.0, 1.0], (n, L)))
+
+    def f(w, x):
+        every = allgather(x, comm=comm).reshape(size * n, L)
+        part = jnp.sum(jnp.log(jnp.cosh(every @ w.T)), axis=1)
+        return reduce_scatter(part.reshape(size, n), "sum", comm=comm)
+
+    b = jnp.asarray(np.random.default_rng(7 + rank).standard_normal((H, L)))
+
+    def solve(w, x, b):
+        op = ops.gram(f, w, x, diag_shift=0.01, sharded_params=True, comm=comm)
+        return dl.cg(op, b, rtol=1e-12)[0], op
+
+    eager, op = solve(W, X, b)
+    jitted = jax.jit(lambda w, x, b: solve(w, x, b)[0])(W, X, b)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), rtol=1e-9, atol=1e-12)
+    residual = allreduce(jnp.sum((op.matvec(jitted) - b) ** 2), "sum", comm=comm)
+    assert float(jnp.sqrt(residual)) < 1e-9

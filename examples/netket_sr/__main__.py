@@ -1,0 +1,6 @@
+"""``mpiexec -n 2 python -m examples.netket_sr [options]``."""
+
+from .run import main
+
+if __name__ == "__main__":
+    main()
