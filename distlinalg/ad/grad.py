@@ -128,6 +128,14 @@ def sum_over_ranks(leaves: list[Any], comm: Communicator) -> list[Any]:
     return out
 
 
+def sum_tree_over_ranks(tree: Any, comm: Communicator) -> Any:
+    """allreduce-sum of a pytree in one message per dtype (not one per leaf)."""
+    if comm.size == 1:
+        return tree
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return jax.tree_util.tree_unflatten(treedef, sum_over_ranks([jnp.asarray(x) for x in leaves], comm))
+
+
 def value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,

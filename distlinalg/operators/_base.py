@@ -39,14 +39,7 @@ def _is_complex(structure: Any) -> bool:
     return any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in jax.tree_util.tree_leaves(structure))
 
 
-def sum_over_ranks(tree: Any, comm: Communicator) -> Any:
-    """allreduce-sum of a pytree in one message per dtype (not one per leaf)."""
-    from ..ad.grad import sum_over_ranks as sum_leaves
-
-    if comm.size == 1:
-        return tree
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return jax.tree_util.tree_unflatten(treedef, sum_leaves([jnp.asarray(x) for x in leaves], comm))
+from ..ad.grad import sum_tree_over_ranks as sum_over_ranks  # noqa: E402,F401  (re-exported)
 
 
 def exchange_sizes(value: int, comm: Communicator) -> np.ndarray:

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..ad.grad import sum_tree_over_ranks
 from . import _common as C
 
 
@@ -36,7 +37,17 @@ def krylov_solve(
     x0 = jax.lax.stop_gradient(x0)
     complex_system = any(jnp.iscomplexobj(leaf) for leaf in jax.tree_util.tree_leaves(b))
 
+    replicated_ranks = reductions.comm.size if reductions.layout == "replicated" else 1
+
     def solve(mv: Callable[[Any], Any], rhs: Any) -> tuple[Any, C.SolverInfo]:
+        if replicated_ranks > 1:
+            # The replicated solve is x_r = A⁻¹ mean_s(b_s) on every rank: the
+            # same as A⁻¹ b for the replicated b of a primal solve, and the
+            # right extension for tangents and cotangents, which may differ
+            # between ranks (a loss that uses x differently on each rank).
+            # Without it the transposed solve mixes rank-dependent vectors in
+            # a matvec that assumes identical copies.
+            rhs = jax.tree_util.tree_map(lambda v: v / replicated_ranks, sum_tree_over_ranks(rhs, reductions.comm))
         # Scale by the largest entry, not the 2-norm: the squared norm of a
         # 1e-300 cotangent is already 0. A zero or non-finite rhs keeps
         # scale 1 (the iteration then reports it).
