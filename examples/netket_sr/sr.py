@@ -60,8 +60,7 @@ class SRConfig:
     (None = distlinalg's default, 10 × the parameter count). max_retries:
     how many times a failed solve is retried with a 10× larger λ.
     mode: Gram mode, None = "real" for real and "holomorphic" for complex
-    parameters. chunk_size: the Gram operator's sample chunk (None: off for
-    replicated parameters, ~1024/L samples for sharded ones, see sr_solve).
+    parameters. chunk_size: the Gram operator's sample chunk (None: off).
     """
 
     lr: float = 0.05
@@ -125,15 +124,8 @@ def sr_solve(log_psi: Callable[[Any, jax.Array], jax.Array], params: Any, sample
     through this function differentiates through the solve (one extra
     solve, lax.custom_linear_solve) and through S's dependence on λ and θ.
     """
-    chunk = cfg.chunk_size
-    if chunk is None and sharded:
-        # Workaround (README, "distlinalg issues"): under jit, cg/minres on a
-        # sharded Gram operator of this communicating model returned wrong
-        # solutions once a rank's allgathered sample block reached ~4096
-        # numbers; evaluating the model in chunks keeps every message small.
-        chunk = max(8, 1024 // samples.shape[-1])
     S = gram(log_psi, params, samples, diag_shift=diag_shift, diag_scale=cfg.diag_scale, mode=mode,
-             comm=comm, sharded_params=sharded, equal_samples=True, chunk_size=chunk)
+             comm=comm, sharded_params=sharded, equal_samples=True, chunk_size=cfg.chunk_size)
     solver = {"cg": distlinalg.cg, "minres": distlinalg.minres}[cfg.solver]
     return solver(S, rhs, rtol=cfg.rtol, maxiter=cfg.maxiter)
 
@@ -198,18 +190,10 @@ class VMC:
         F = force(self.log_psi, params, samples, (e_loc - mean) / n_total, self.mode, self.sharded, self.comm)
         return {"e_loc": e_loc, "energy": jnp.real(mean), "variance": var, "error": err, "force": F}
 
-    def _solve_update(self, params: Any, samples: jax.Array, F: Any, diag_shift: Any, lr: Any,
-                      for_ad: bool = False) -> tuple[Any, Any, Any]:
+    def _solve_update(self, params: Any, samples: jax.Array, F: Any, diag_shift: Any,
+                      lr: Any) -> tuple[Any, Any, Any]:
         delta, info = sr_solve(self.log_psi, params, samples, F, diag_shift, self.cfg, self.mode, self.sharded,
                                self.comm)
-        if for_ad and not self.sharded and self.comm.size > 1:
-            # Workaround (see README, "distlinalg issue"): the reverse mode of a
-            # replicated-layout solve is only right when δ's cotangent is the
-            # same on every rank, but a loss of δ evaluated on each rank's own
-            # samples gives each rank only its samples' share. allreduce(δ)/P
-            # is δ in value and its transpose hands every rank the average
-            # cotangent, which makes the solve's adjoint exact.
-            delta = tmap(lambda d: allreduce(d, "sum", comm=self.comm) / self.comm.size, delta)
         new = tmap(lambda p, d: p - lr * d, params, delta)
         # Non-finite entries anywhere (any rank's block) fail the step on every rank.
         bad = sum(jnp.sum(~jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(new)).astype(jnp.float64)
@@ -263,7 +247,7 @@ class VMC:
         replicated scalar function of (λ, η, couplings): differentiable end to
         end, through the local energies, the force and the CG/MINRES solve."""
         est = self._estimate(params, samples, couplings)
-        new, _, _ = self._solve_update(params, samples, est["force"], diag_shift, lr, for_ad=True)
+        new, _, _ = self._solve_update(params, samples, est["force"], diag_shift, lr)
         return reweighted_energy(self, new, self.log_psi(params, samples), samples, couplings)
 
     def meta_gradient(self, params: Any, samples: jax.Array, diag_shift: float, lr: float,
