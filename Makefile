@@ -24,7 +24,7 @@ else
 endif
 
 BUILD_DEPS := "scikit-build-core>=0.10" "nanobind>=2.0" "jax>=0.5.0" numpy
-TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10"
+TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib
 
 .PHONY: setup test demo clean bench
 
@@ -43,9 +43,12 @@ endif
 test: setup
 	$(BIN)/python tests/run_mpi.py --ranks $(RANKS) -- $(PYTEST_ARGS)
 
+# The main job: VMC with stochastic reconfiguration on 2 ranks (examples/netket_sr).
 demo: setup
 	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python -m distlinalg
 	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python examples/allreduce_demo.py
+	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python -m examples.netket_sr \
+		--model tfim --L 8 --iters 50 --solver cg --output demo-output
 
 bench: setup
 	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python benchmarks/bench_comm.py --output benchmarks/results.md
