@@ -1,5 +1,6 @@
-// XLA FFI handlers of point-to-point communication. A receive buffer is an
-// operand aliased to the output, so a receive from MPI_PROC_NULL returns the
+// XLA FFI handlers of point-to-point communication. A receive starts from a
+// copy of its template operand (or from the template itself where XLA hands
+// the same buffer back), so a receive from MPI_PROC_NULL returns the
 // template unchanged (MPI would leave it untouched).
 #include "handlers.h"
 
