@@ -50,8 +50,17 @@ demo: setup
 	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python -m examples.netket_sr \
 		--model tfim --L 8 --iters 50 --solver cg --output demo-output
 
+BENCH_DEPS := "matplotlib>=3.7" "scipy>=1.10"
+QUICK ?=
+WITH_PETSC ?=
+BENCH_ARGS ?=
+
+# Benchmarks side by side with peers (peers install into benchmarks/.venv-peers;
+# one that fails is reported as skipped). QUICK=1: a smoke run of a few minutes.
 bench: setup
-	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python benchmarks/bench_comm.py --output benchmarks/results.md
+	$(BIN)/python -m pip install -q $(BENCH_DEPS)
+	$(BIN)/python benchmarks/run_all.py $(if $(filter 1 yes true,$(QUICK)),--quick) $(if $(filter 1 yes true,$(WITH_PETSC)),--with-petsc) $(BENCH_ARGS)
+	$(BIN)/python benchmarks/bench_operators.py $(if $(filter 1 yes true,$(QUICK)),--quick) --output benchmarks/results.md
 
 clean:
 	rm -rf build .mpitest

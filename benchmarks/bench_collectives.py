@@ -1,0 +1,340 @@
+"""Collective latency vs message size, distlinalg against its peers in one run.
+
+    mpiexec -n 2 python benchmarks/bench_collectives.py \
+        [--contenders distlinalg-jit distlinalg-eager mpi4py] [--sizes 8 65536 1048576] \
+        [--ops allreduce allgather bcast alltoall sendrecv] [--repeats 3] [--target 0.05] [--json FILE]
+
+Contenders (any subset; mpi4py is always measured too, as the reference of the run):
+  distlinalg-jit    a jitted ``lax.fori_loop`` of calls (trip count a runtime argument;
+                    the buffer donated and fed back, so no copy or allocation per run);
+                    per-call time = total / count
+  distlinalg-eager  a Python loop of un-jitted calls (after the first call)
+  mpi4py            uppercase methods on numpy buffers (Allreduce, Allgather, Bcast,
+                    Alltoall, Sendrecv)
+  mpi4jax           (peers venv) a jitted fori_loop of mpi4jax calls
+  jax-gloo          JAX's own multi-process collectives: ``jax.distributed.initialize``
+                    with the gloo CPU collectives, a ``shard_map`` over a mesh of the
+                    processes' devices and a fori_loop of ``psum`` / ``all_gather`` /
+                    ``all_to_all`` / ``ppermute`` (no broadcast collective: n/a)
+
+Message size = bytes of each rank's send buffer, float64 (8 B = one element).
+allgather: each rank contributes that many bytes (receives size× as much);
+alltoall: the buffer is split in `size` equal blocks (at least one element each);
+sendrecv: a ring shift (send to rank+1, receive from rank−1).
+Loops that must keep the buffer's shape (allgather) feed one element of the
+result back with an in-place update, O(1), so the calls stay data-dependent.
+Every (op, size) is timed `repeats` times, the contenders interleaved; each
+sample runs enough calls to last about `target` seconds (calibrated per
+contender, the count agreed across ranks) and the slowest rank's time counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from mpi4py import MPI  # noqa: E402
+
+import _util  # noqa: E402
+
+OPS = ("allreduce", "allgather", "bcast", "alltoall", "sendrecv")
+QUICK_SIZES = (8, 64 * 1024, 1 << 20)
+FULL_SIZES = tuple(8 ** k for k in range(1, 9)) + (64 << 20,)  # 8 B, 64 B, ..., 16 MiB, 64 MiB
+
+
+def elements(op: str, nbytes: int, size: int) -> int:
+    n = max(1, nbytes // 8)
+    if op == "alltoall":
+        n = max(size, (n + size - 1) // size * size)
+    return n
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------
+# Contenders: each maker returns run(count) -> None that performs `count`
+# calls of `op` on an n-element float64 buffer and blocks until done.
+
+def make_mpi4py(op, n, comm):
+    import numpy as np
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = np.ones(n)
+    if op == "allreduce":
+        y = np.empty_like(x)
+        call = lambda: comm.Allreduce(x, y)  # noqa: E731
+    elif op == "allgather":
+        y = np.empty((size, n))
+        call = lambda: comm.Allgather(x, y)  # noqa: E731
+    elif op == "bcast":
+        call = lambda: comm.Bcast(x, root=0)  # noqa: E731
+    elif op == "alltoall":
+        y = np.empty_like(x)
+        call = lambda: comm.Alltoall(x, y)  # noqa: E731
+    elif op == "sendrecv":
+        y = np.empty_like(x)
+        dest, source = (rank + 1) % size, (rank - 1) % size
+        call = lambda: comm.Sendrecv(x, dest, recvbuf=y, source=source)  # noqa: E731
+
+    def run(count):
+        for _ in range(count):
+            call()
+
+    return run
+
+
+def _jit_body(op, rank, size, ops):
+    """fori_loop body for a collective library exposing allreduce/allgather/bcast/alltoall/sendrecv."""
+
+    def body(i, v):
+        if op == "allreduce":
+            return ops["allreduce"](v)
+        if op == "allgather":
+            return v.at[0].set(ops["allgather"](v)[-1, 0])  # in-place O(1) feedback
+        if op == "bcast":
+            return ops["bcast"](v)
+        if op == "alltoall":
+            return ops["alltoall"](v.reshape(size, -1)).reshape(-1)
+        if op == "sendrecv":
+            return ops["sendrecv"](v)
+        raise ValueError(op)
+
+    return body
+
+
+def _jit_runner(body, n):
+    import jax
+    import jax.numpy as jnp
+
+    # The buffer is donated and the result fed back: no copy into the loop carry and no fresh
+    # output allocation per timed run (numpy's buffers are reused too), which would otherwise
+    # dominate a run of one or two 64 MiB calls.
+    loop = jax.jit(lambda v, count: jax.lax.fori_loop(0, count, body, v), donate_argnums=0)
+    state = {"x": jnp.ones(n)}
+
+    def run(count):
+        state["x"] = loop(state["x"], jnp.int32(count))
+        state["x"].block_until_ready()
+
+    return run
+
+
+def distlinalg_ops(rank, size):
+    from distlinalg.comm import allgather, allreduce, alltoall, bcast, sendrecv
+
+    dest, source = (rank + 1) % size, (rank - 1) % size
+    return {
+        "allreduce": allreduce,
+        "allgather": allgather,
+        "bcast": lambda v: bcast(v, root=0),
+        "alltoall": alltoall,
+        "sendrecv": lambda v: sendrecv(v, v, source, dest),
+    }
+
+
+def make_distlinalg_jit(op, n, comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    return _jit_runner(_jit_body(op, rank, size, distlinalg_ops(rank, size)), n)
+
+
+def make_distlinalg_eager(op, n, comm):
+    import jax.numpy as jnp
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    f = distlinalg_ops(rank, size)[op]
+    x = jnp.ones((size, n // size)) if op == "alltoall" else jnp.ones(n)
+
+    def run(count):
+        out = None
+        for _ in range(count):
+            out = f(x)
+        out.block_until_ready()
+
+    return run
+
+
+def mpi4jax_ops(rank, size, comm):
+    import mpi4jax
+
+    dest, source = (rank + 1) % size, (rank - 1) % size
+
+    def strip(out):  # mpi4jax < 0.5 returned (result, token)
+        return out[0] if isinstance(out, tuple) else out
+
+    return {
+        "allreduce": lambda v: strip(mpi4jax.allreduce(v, op=MPI.SUM, comm=comm)),
+        "allgather": lambda v: strip(mpi4jax.allgather(v, comm=comm)),
+        "bcast": lambda v: strip(mpi4jax.bcast(v, root=0, comm=comm)),
+        "alltoall": lambda v: strip(mpi4jax.alltoall(v, comm=comm)),
+        "sendrecv": lambda v: strip(mpi4jax.sendrecv(v, v, source=source, dest=dest, comm=comm)),
+    }
+
+
+def make_mpi4jax(op, n, comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    return _jit_runner(_jit_body(op, rank, size, mpi4jax_ops(rank, size, comm)), n)
+
+
+def init_jax_gloo(comm):
+    import jax
+
+    port = comm.bcast(free_port() if comm.Get_rank() == 0 else None, root=0)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=comm.Get_size(),
+                               process_id=comm.Get_rank(), initialization_timeout=120)
+    if jax.device_count() != comm.Get_size():
+        raise RuntimeError(f"jax sees {jax.device_count()} devices for {comm.Get_size()} processes")
+
+
+def make_jax_gloo(op, n, comm):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    size = comm.Get_size()
+    if op == "bcast":
+        return None  # no broadcast collective in JAX
+    mesh = jax.make_mesh((size,), ("x",), devices=jax.devices())
+    perm = [(i, (i + 1) % size) for i in range(size)]
+
+    def body(i, v):
+        if op == "allreduce":
+            return jax.lax.psum(v, "x")
+        if op == "allgather":
+            return v.at[0].set(jax.lax.all_gather(v, "x")[-1, 0])
+        if op == "alltoall":
+            return jax.lax.all_to_all(v.reshape(size, -1), "x", 0, 0).reshape(-1)
+        if op == "sendrecv":
+            return jax.lax.ppermute(v, "x", perm)
+        raise ValueError(op)
+
+    looped = jax.shard_map(lambda v, count: jax.lax.fori_loop(0, count, body, v), mesh=mesh,
+                           in_specs=(P("x"), P()), out_specs=P("x"), check_vma=False)
+    loop = jax.jit(looped, donate_argnums=0)  # buffer donated and fed back, as in _jit_runner
+    sharding = NamedSharding(mesh, P("x"))
+    local = jax.device_put(jnp.ones(n), jax.local_devices()[0])
+    state = {"x": jax.make_array_from_single_device_arrays((size * n,), sharding, [local])}
+
+    def run(count):
+        state["x"] = loop(state["x"], jnp.int32(count))
+        state["x"].block_until_ready()
+
+    return run
+
+
+MAKERS = {
+    "mpi4py": make_mpi4py,
+    "distlinalg-jit": make_distlinalg_jit,
+    "distlinalg-eager": make_distlinalg_eager,
+    "mpi4jax": make_mpi4jax,
+    "jax-gloo": make_jax_gloo,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contenders", nargs="+", default=["distlinalg-jit", "distlinalg-eager", "mpi4py"],
+                        choices=list(MAKERS))
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    parser.add_argument("--sizes", nargs="+", type=int, help="message sizes in bytes (default: 8 B .. 64 MiB)")
+    parser.add_argument("--quick", action="store_true", help="sizes 8 B, 64 KiB, 1 MiB")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--target", type=float, default=0.05, help="seconds per timed sample")
+    parser.add_argument("--json", help="write results here (rank 0)")
+    args = parser.parse_args()
+    sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
+    contenders = ["mpi4py"] + [c for c in args.contenders if c != "mpi4py"]
+
+    comm = MPI.COMM_WORLD.Dup()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    skipped: dict[str, str] = {}
+    if "jax-gloo" in contenders:  # before anything touches a JAX backend
+        try:
+            init_jax_gloo(comm)
+        except Exception as exc:  # noqa: BLE001
+            skipped["jax-gloo"] = f"jax.distributed/gloo initialisation failed: {type(exc).__name__}: {exc}"
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    for name in contenders:
+        if name in skipped:
+            continue
+        try:
+            if name.startswith("distlinalg"):
+                import distlinalg  # noqa: F401
+            elif name == "mpi4jax":
+                import mpi4jax  # noqa: F401
+        except Exception as exc:  # noqa: BLE001
+            skipped[name] = f"import failed: {type(exc).__name__}: {exc}"
+    # Every rank must agree on who runs.
+    for other in comm.allgather(skipped):
+        skipped.update(other)
+    active = [c for c in contenders if c not in skipped]
+
+    results: dict[str, dict[str, dict[str, float]]] = {c: {op: {} for op in args.ops} for c in active}
+    minima: dict[str, dict[str, dict[str, float]]] = {c: {op: {} for op in args.ops} for c in active}
+    errors: dict[str, str] = {}
+    t_start = time.perf_counter()
+    for op in args.ops:
+        for nbytes in sizes:
+            n = elements(op, nbytes, size)
+            runners = {}
+            for name in active:
+                try:
+                    runner = MAKERS[name](op, n, comm)
+                    if runner is None:
+                        continue
+                    runner(2)  # compile / first call
+                    count = _util.calibrate(runner, args.target, comm)
+                    runners[name] = (runner, count)
+                except Exception as exc:  # noqa: BLE001
+                    errors[f"{name}/{op}"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            samples = {name: [] for name in runners}
+            for _ in range(args.repeats):
+                for name, (runner, count) in runners.items():
+                    samples[name].append(_util.timed_once(lambda r=runner, c=count: r(c), comm) / count)
+            for name, vals in samples.items():
+                results[name][op][str(nbytes)] = _util.median(vals)
+                minima[name][op][str(nbytes)] = min(vals)
+            if rank == 0:
+                line = "  ".join(f"{k}={v * 1e6:.1f}us" for k, v in
+                                 ((k, results[k][op][str(nbytes)]) for k in samples))
+                _util.eprint(f"[collectives n={size}] {op} {nbytes} B: {line}")
+            del runners
+    payload = {
+        "bench": "collectives",
+        "ranks": size,
+        "sizes": list(sizes),
+        "ops": list(args.ops),
+        "contenders": active,
+        "results": results,
+        "minima": minima,
+        "skipped": skipped,
+        "errors": errors,
+        "repeats": args.repeats,
+        "target_seconds": args.target,
+        "seconds": time.perf_counter() - t_start,
+        "versions": _util.versions(),
+        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "oversubscribed": size > (os.cpu_count() or 1),
+    }
+    if rank == 0:
+        _util.write_json(args.json, payload)
+    comm.Barrier()
+    if "jax-gloo" in active:
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
