@@ -18,7 +18,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from .._mpi import Communicator, resolve_comm
-from ..comm.allgather import allgather
+from ._partition import allgather_blocks, exchange_sizes, partition_of_local_sizes
 
 LAYOUTS = ("replicated", "sharded")
 
@@ -40,19 +40,6 @@ def _is_complex(structure: Any) -> bool:
 
 
 from ..ad.grad import sum_tree_over_ranks as sum_over_ranks  # noqa: E402,F401  (re-exported)
-
-
-def exchange_sizes(value: int, comm: Communicator) -> np.ndarray:
-    """Every rank's `value` (a Python int), on every rank, at trace time.
-
-    Runs an eager allgather even inside a jit trace (the sizes are static
-    shapes, known before the program runs); it is ordered after everything
-    this rank dispatched before. Every rank must call it together.
-    """
-    if comm.size == 1:
-        return np.asarray([value], np.int64)
-    with jax.ensure_compile_time_eval():
-        return np.asarray(allgather(jnp.asarray(value, jnp.int64), comm=comm), np.int64)
 
 
 class LinearOperator:
@@ -247,13 +234,7 @@ class LinearOperator:
 
 def gather_rows(rows: jax.Array, comm: Communicator) -> jax.Array:
     """Concatenate every rank's rows (counts may differ) on every rank."""
-    counts = exchange_sizes(rows.shape[0], comm)
-    if comm.size == 1:
-        return rows
-    widest = int(counts.max())
-    padded = jnp.pad(rows, [(0, widest - rows.shape[0])] + [(0, 0)] * (rows.ndim - 1))
-    stacked = allgather(padded, comm=comm)
-    return jnp.concatenate([stacked[r, : counts[r]] for r in range(comm.size)], axis=0)
+    return allgather_blocks(rows, partition_of_local_sizes(rows.shape[0], comm), comm)
 
 
 def aslinearoperator(A: Any, *, layout: str = "replicated", comm: Any = None) -> LinearOperator:

@@ -6,13 +6,26 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._mpi import Communicator, ReduceOp
 from ..comm.allgather import allgather
 from ..comm.reduce_scatter import reduce_scatter
-from ._base import exchange_sizes
+
+
+def exchange_sizes(value: int, comm: Communicator) -> np.ndarray:
+    """Every rank's `value` (a Python int), on every rank, at trace time.
+
+    Runs an eager allgather even inside a jit trace (the sizes are static
+    shapes, known before the program runs); it is ordered after everything
+    this rank dispatched before. Every rank must call it together.
+    """
+    if comm.size == 1:
+        return np.asarray([value], np.int64)
+    with jax.ensure_compile_time_eval():
+        return np.asarray(allgather(jnp.asarray(value, jnp.int64), comm=comm), np.int64)
 
 
 class Partition(NamedTuple):

@@ -35,7 +35,8 @@ import numpy as np
 from .._mpi import Communicator, resolve_comm
 from ..comm import _core
 from ..comm.allreduce import allreduce
-from ._base import LinearOperator, exchange_sizes, sum_over_ranks as _fused_sum
+from ._base import LinearOperator, sum_over_ranks as _fused_sum
+from ._partition import exchange_sizes
 
 MODES = ("real", "holomorphic", "complex")
 _NAME = "distlinalg.operators.gram"
