@@ -73,12 +73,19 @@ def random_square(n, seed):
     return M.tocsr()
 
 
-@pytest.mark.parametrize("case", ["poisson", "random", "rectangular", "uneven"])
+@pytest.mark.parametrize("case", ["poisson", "random", "scattered", "rectangular", "uneven"])
 def test_sparse_rows_matvec_and_transpose(comm, rank, size, case):
     if case == "poisson":
         A, kwargs = poisson(4), {}
     elif case == "random":
         A, kwargs = random_square(11, 3), {}
+    elif case == "scattered":
+        rng = np.random.default_rng(11)
+        n = 40
+        cols = np.stack([rng.permutation(n) for _ in range(3)], axis=1)  # 3 entries per row
+        A = sp.csr_matrix((rng.standard_normal(3 * n), (np.repeat(np.arange(n), 3), cols.ravel())), shape=(n, n))
+        A = (A + sp.eye(n) * 5).tocsr()
+        kwargs = {}
     elif case == "rectangular":
         A = sp.random(9, 7, density=0.4, random_state=4, format="csr")
         kwargs = {}
@@ -86,10 +93,12 @@ def test_sparse_rows_matvec_and_transpose(comm, rank, size, case):
         A = random_square(10, 5)
         kwargs = {"row_partition": uneven(10, size), "column_partition": uneven(10, size)[::-1]}
     op = ops.sparse_rows(A, comm=comm, **kwargs)
+    # Checked on the gathered list, so every rank passes or fails together.
+    formats = comm.allgather(op.pattern.format)
     if case == "poisson":
-        assert op.pattern.format == "dia"  # the stencil's few offsets, halo included
-    if case == "random":
-        assert op.pattern.format == "ell"
+        assert formats == ["dia"] * size  # the stencil's few offsets, halo included
+    if case == "scattered":
+        assert formats == ["ell"] * size  # equal row lengths, many distinct offsets
     dense = A.toarray()
     np.testing.assert_allclose(np.asarray(op.to_dense()), dense, rtol=1e-14, atol=1e-15)
     np.testing.assert_allclose(np.asarray(op.T.to_dense()), dense.T, rtol=1e-14, atol=1e-15)
