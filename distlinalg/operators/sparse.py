@@ -203,10 +203,6 @@ class _Pattern:
         else:
             self.diagonal_positions = None
 
-    @property
-    def ell(self) -> bool:
-        return self.format == "ell"
-
     def local_values(self, data: jax.Array) -> jax.Array:
         """The stored values in the local format (computed once per operator)."""
         if self.format == "segment":
