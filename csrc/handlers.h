@@ -1,9 +1,17 @@
 // Handler symbols exported to Python as capsules (see module.cc).
 #pragma once
 
+#include "cuda_transport.h"
 #include "mpi_common.h"
 
+#if defined(DL_WITH_CUDA)
+#define DL_DECLARE(name)                      \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(name);       \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(name##Cuda); \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(name##CudaEmulated)
+#else
 #define DL_DECLARE(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(name)
+#endif
 
 DL_DECLARE(DlAllreduce);
 DL_DECLARE(DlReduce);

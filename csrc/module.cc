@@ -44,28 +44,86 @@ std::string RuntimeLibraryVersion() {
   return std::string(buf, len);
 }
 
+// Target name -> handler, for one variant ("cpu", "cuda", "cuda_emulated").
+#if defined(DL_WITH_CUDA)
+#define DL_VARIANT(symbol, variant)                                 \
+  (variant == "cuda"            ? Capsule(symbol##Cuda)             \
+   : variant == "cuda_emulated" ? Capsule(symbol##CudaEmulated)     \
+                                : Capsule(symbol))
+#else
+#define DL_VARIANT(symbol, variant) Capsule(symbol)
+#endif
+
+nb::dict Registrations(const std::string& variant) {
+  nb::dict d;
+  d["distlinalg_allreduce"] = DL_VARIANT(DlAllreduce, variant);
+  d["distlinalg_reduce"] = DL_VARIANT(DlReduce, variant);
+  d["distlinalg_bcast"] = DL_VARIANT(DlBcast, variant);
+  d["distlinalg_gather"] = DL_VARIANT(DlGather, variant);
+  d["distlinalg_scatter"] = DL_VARIANT(DlScatter, variant);
+  d["distlinalg_allgather"] = DL_VARIANT(DlAllgather, variant);
+  d["distlinalg_reduce_scatter"] = DL_VARIANT(DlReduceScatter, variant);
+  d["distlinalg_alltoall"] = DL_VARIANT(DlAlltoall, variant);
+  d["distlinalg_scan"] = DL_VARIANT(DlScan, variant);
+  d["distlinalg_barrier"] = DL_VARIANT(DlBarrier, variant);
+  d["distlinalg_send"] = DL_VARIANT(DlSend, variant);
+  d["distlinalg_recv"] = DL_VARIANT(DlRecv, variant);
+  d["distlinalg_sendrecv"] = DL_VARIANT(DlSendrecv, variant);
+  return d;
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
   m.doc() = "Native MPI handlers of distlinalg (XLA FFI).";
 
-  m.def("registrations", [] {
+  m.def(
+      "registrations",
+      [](const std::string& variant) {
+#if defined(DL_WITH_CUDA)
+        const bool known = variant == "cpu" || variant == "cuda" ||
+                           variant == "cuda_emulated";
+#else
+        const bool known = variant == "cpu";
+#endif
+        if (!known) {
+          throw nb::value_error(
+              ("distlinalg: no handlers for variant '" + variant +
+               "' in this build")
+                  .c_str());
+        }
+        return Registrations(variant);
+      },
+      nb::arg("variant") = "cpu",
+      "FFI target name -> handler capsule. variant: 'cpu', or in CUDA builds "
+      "'cuda' (XLA's CUDA stream) and 'cuda_emulated' (the CUDA code path "
+      "registered on the CPU, for tests with a stand-in driver).");
+
+  m.def("mpi_cuda_support", [] {
+    dl::MpiCudaSupport s = dl::QueryMpiCudaSupport();
     nb::dict d;
-    d["distlinalg_allreduce"] = Capsule(DlAllreduce);
-    d["distlinalg_reduce"] = Capsule(DlReduce);
-    d["distlinalg_bcast"] = Capsule(DlBcast);
-    d["distlinalg_gather"] = Capsule(DlGather);
-    d["distlinalg_scatter"] = Capsule(DlScatter);
-    d["distlinalg_allgather"] = Capsule(DlAllgather);
-    d["distlinalg_reduce_scatter"] = Capsule(DlReduceScatter);
-    d["distlinalg_alltoall"] = Capsule(DlAlltoall);
-    d["distlinalg_scan"] = Capsule(DlScan);
-    d["distlinalg_barrier"] = Capsule(DlBarrier);
-    d["distlinalg_send"] = Capsule(DlSend);
-    d["distlinalg_recv"] = Capsule(DlRecv);
-    d["distlinalg_sendrecv"] = Capsule(DlSendrecv);
+    d["supported"] = s.supported;
+    d["method"] = s.method;
     return d;
+  }, "Whether the MPI library reports CUDA-aware support (1, 0, or -1 unknown).");
+
+#if defined(DL_WITH_CUDA)
+  m.def("cuda_driver_status", &dl::cuda::DriverStatus,
+        "Loads the CUDA driver if needed: '' when usable, else the reason.");
+  m.def(
+      "set_cuda_transport",
+      [](bool cuda_aware) {
+        dl::cuda::SetTransport(cuda_aware ? dl::cuda::Transport::kCudaAware
+                                          : dl::cuda::Transport::kHostStaged);
+      },
+      nb::arg("cuda_aware"),
+      "Device pointers straight to MPI (True) or host staging (False).");
+  m.def("cuda_transport", [] {
+    return dl::cuda::CurrentTransport() == dl::cuda::Transport::kCudaAware
+               ? "cuda-aware"
+               : "host-staged";
   });
+#endif
 
   m.def("build_info", [] {
     nb::dict d;
@@ -75,7 +133,11 @@ NB_MODULE(_native, m) {
                         std::to_string(MPI_SUBVERSION);
     d["comm_world_handle"] = dl::HandleFromComm(MPI_COMM_WORLD);
     d["comm_null_handle"] = dl::HandleFromComm(MPI_COMM_NULL);
+#if defined(DL_WITH_CUDA)
+    d["cuda"] = true;
+#else
     d["cuda"] = false;
+#endif
     return d;
   });
   m.def("runtime_library_version", &RuntimeLibraryVersion,

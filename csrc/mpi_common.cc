@@ -1,5 +1,7 @@
 #include "mpi_common.h"
 
+#include <dlfcn.h>
+
 #include <cmath>
 #include <sstream>
 
@@ -13,6 +15,65 @@ Settings& GlobalSettings() {
 std::mutex& MpiMutex() {
   static std::mutex mutex;
   return mutex;
+}
+
+// ---------------------------------------------------------------------------
+namespace {
+ffi::Error HostCopy(void* dst, const void* src, size_t bytes) {
+  std::memcpy(dst, src, bytes);
+  return ffi::Error::Success();
+}
+ffi::Error HostZero(void* dst, size_t bytes) {
+  std::memset(dst, 0, bytes);
+  return ffi::Error::Success();
+}
+}  // namespace
+
+const BufferOps& HostBufferOps() {
+  static const BufferOps ops{&HostCopy, &HostZero};
+  return ops;
+}
+
+const BufferOps*& ThreadBufferOps() {
+  thread_local const BufferOps* ops = &HostBufferOps();
+  return ops;
+}
+
+// ---------------------------------------------------------------------------
+MpiCudaSupport QueryMpiCudaSupport() {
+  MpiCudaSupport result;
+  // The library that provides MPI_Init to this extension (dladdr), opened
+  // again without loading anything, so that dlsym searches exactly it.
+  Dl_info info{};
+  void* lib = nullptr;
+  if (dladdr(reinterpret_cast<void*>(&MPI_Init), &info) != 0 &&
+      info.dli_fname != nullptr) {
+    lib = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
+  }
+  auto lookup = [&](const char* name) -> void* {
+    void* sym = lib != nullptr ? dlsym(lib, name) : nullptr;
+    return sym != nullptr ? sym : dlsym(RTLD_DEFAULT, name);
+  };
+  if (void* sym = lookup("MPIX_Query_cuda_support")) {
+    using Query = int (*)();
+    result.supported = reinterpret_cast<Query>(sym)() != 0 ? 1 : 0;
+    result.method = "MPIX_Query_cuda_support";
+  } else if (void* sym = lookup("MPIX_GPU_query_support")) {
+    using Query = int (*)(int, int*);
+    int supported = 0;
+    constexpr int kMpixGpuSupportCuda = 0;  // MPIX_GPU_SUPPORT_CUDA in MPICH's mpi.h
+    if (reinterpret_cast<Query>(sym)(kMpixGpuSupportCuda, &supported) ==
+        MPI_SUCCESS) {
+      result.supported = supported != 0 ? 1 : 0;
+      result.method = "MPIX_GPU_query_support";
+    } else {
+      result.method = "MPIX_GPU_query_support failed";
+    }
+  } else {
+    result.method = "the MPI library has no CUDA support query";
+  }
+  if (lib != nullptr) dlclose(lib);
+  return result;
 }
 
 // ---------------------------------------------------------------------------

@@ -71,6 +71,44 @@ class MpiLock {
 };
 
 // ---------------------------------------------------------------------------
+// Copies and fills of the handlers' own buffers. Plain memcpy/memset on host
+// memory; a CUDA handler that hands device pointers to a CUDA-aware MPI
+// installs device versions for the duration of its call (cuda_transport.h).
+struct BufferOps {
+  ffi::Error (*copy)(void* dst, const void* src, size_t bytes);
+  ffi::Error (*fill_zero)(void* dst, size_t bytes);
+};
+const BufferOps& HostBufferOps();
+// The ops in force on this thread (HostBufferOps unless a scope replaced them).
+const BufferOps*& ThreadBufferOps();
+
+inline ffi::Error CopyBytes(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0 || dst == src) return ffi::Error::Success();
+  return ThreadBufferOps()->copy(dst, src, bytes);
+}
+inline ffi::Error ZeroBytes(void* dst, size_t bytes) {
+  if (bytes == 0) return ffi::Error::Success();
+  return ThreadBufferOps()->fill_zero(dst, bytes);
+}
+
+#define DL_CHECK(call)                         \
+  do {                                         \
+    ffi::Error dl_err_ = (call);               \
+    if (dl_err_.failure()) return dl_err_;     \
+  } while (0)
+
+// ---------------------------------------------------------------------------
+// Whether the MPI library can take CUDA device pointers, asked at run time
+// (Open MPI: MPIX_Query_cuda_support; MPICH >= 4: MPIX_GPU_query_support).
+// The symbols are looked up in the libmpi this extension is linked to, so
+// the answer does not depend on which mpi.h the build saw.
+struct MpiCudaSupport {
+  int supported = -1;   // 1 yes, 0 no, -1 the library cannot say
+  std::string method;   // how it was determined
+};
+MpiCudaSupport QueryMpiCudaSupport();
+
+// ---------------------------------------------------------------------------
 // Errors: MPI returns codes (communicators carry MPI_ERRORS_RETURN), handlers
 // turn them into ffi::Error, which JAX raises as a Python exception.
 inline std::string MpiErrorString(int code) {

@@ -14,10 +14,9 @@ ffi::Error CheckTypes(const char* op, TypeInfo a, ffi::DataType da) {
                         " does not support dtype " + DtypeName(da));
 }
 
-void CopyIfDistinct(ffi::AnyBuffer from, ffi::Result<ffi::AnyBuffer>& to) {
-  if (to->untyped_data() != from.untyped_data()) {
-    std::memcpy(to->untyped_data(), from.untyped_data(), from.size_bytes());
-  }
+ffi::Error CopyIfDistinct(ffi::AnyBuffer from,
+                          ffi::Result<ffi::AnyBuffer>& to) {
+  return CopyBytes(to->untyped_data(), from.untyped_data(), from.size_bytes());
 }
 
 }  // namespace
@@ -57,7 +56,7 @@ ffi::Error RecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::Result<ffi::Token>,
     if (e.failure()) return e;
   }
   CallLog log("recv", comm, y->element_type(), n);
-  CopyIfDistinct(templ, y);
+  DL_CHECK(CopyIfDistinct(templ, y));
   BlockType block;
   DL_MPI_CHECK("recv", block.Init(n, ti.type));
   DL_MPI_CHECK("recv", MPI_Recv(y->untyped_data(), block.count(),
@@ -90,7 +89,7 @@ ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
     if (e.failure()) return e;
   }
   CallLog log("sendrecv", comm, sendbuf.element_type(), ns);
-  CopyIfDistinct(recvbuf, y);
+  DL_CHECK(CopyIfDistinct(recvbuf, y));
   BlockType sblock, rblock;
   DL_MPI_CHECK("sendrecv", sblock.Init(ns, st.type));
   DL_MPI_CHECK("sendrecv", rblock.Init(nr, rt.type));
@@ -107,32 +106,19 @@ ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
 namespace dl = distlinalg;
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DlSend, dl::SendImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>()
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int32_t>("dest")
-                                  .Attr<int32_t>("tag"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DlRecv, dl::RecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int32_t>("source")
-                                  .Attr<int32_t>("tag"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DlSendrecv, dl::SendrecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Token>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("comm")
-                                  .Attr<int32_t>("source")
-                                  .Attr<int32_t>("dest")
-                                  .Attr<int32_t>("sendtag")
-                                  .Attr<int32_t>("recvtag"));
+#define DL_SEND(b)                                                  \
+  b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Ret<ffi::Token>()          \
+      .Attr<int64_t>("comm").Attr<int32_t>("dest").Attr<int32_t>("tag")
+#define DL_RECV(b)                                                      \
+  b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Ret<ffi::Token>()              \
+      .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm").Attr<int32_t>("source") \
+      .Attr<int32_t>("tag")
+#define DL_SENDRECV(b)                                                     \
+  b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()           \
+      .Ret<ffi::Token>().Ret<ffi::AnyBuffer>().Attr<int64_t>("comm")        \
+      .Attr<int32_t>("source").Attr<int32_t>("dest").Attr<int32_t>("sendtag") \
+      .Attr<int32_t>("recvtag")
+
+DL_DEFINE_HANDLERS(DlSend, dl::SendImpl, DL_SEND);
+DL_DEFINE_HANDLERS(DlRecv, dl::RecvImpl, DL_RECV);
+DL_DEFINE_HANDLERS(DlSendrecv, dl::SendrecvImpl, DL_SENDRECV);

@@ -18,7 +18,7 @@ def environment_report() -> str:
     import numpy as np
     from mpi4py import MPI
 
-    from . import __version__, _mpi
+    from . import __version__, _cuda, _mpi
 
     comm = _mpi.DEFAULT_COMM
     levels = {
@@ -45,7 +45,10 @@ def environment_report() -> str:
         + ("" if _mpi.THREAD_LEVEL == MPI.THREAD_MULTIPLE else " (handlers serialised by a lock)"),
         f"world size:     {comm.size}",
         f"jax devices:    {', '.join(str(d) for d in jax.devices())}",
-        f"CUDA support built: {'yes' if build['cuda'] else 'no'}",
+        f"CUDA handlers:  {_cuda.STATE.get('handlers', '?')}",
+        f"MPI CUDA-aware: {_cuda.STATE.get('mpi_cuda_aware', '?')}",
+        f"GPU transport:  {_cuda.STATE.get('transport', '?')}",
+        f"GPU device:     {_cuda.STATE.get('device', '?')}",
         f"XLA CPU YNN fusions: {distlinalg.YNN_FUSION}",
         f"debug log (DISTLINALG_DEBUG): {settings['debug_log']}; "
         f"signature check (DISTLINALG_CHECK): {settings['check_signatures']}",

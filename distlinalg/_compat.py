@@ -134,3 +134,29 @@ def disable_ynn_fusion() -> str:
         return "left on: JAX's backend started before distlinalg was imported"
     os.environ["XLA_FLAGS"] = f"{flags} --{_YNN_FLAG}=".strip()
     return "disabled"
+
+
+# ---------------------------------------------------------------------------
+# GPU device selection (distlinalg/_cuda.py) sets JAX's CUDA device filter
+# before the backend starts, as jax.distributed.initialize does.
+def backends_started() -> bool:
+    """Whether JAX has created its backends (device settings are then fixed)."""
+    from jax._src import xla_bridge  # private
+
+    return bool(xla_bridge.backends_are_initialized())
+
+
+def cuda_visible_devices() -> str:
+    """JAX's ``jax_cuda_visible_devices`` ("all" unless restricted)."""
+    from jax._src import xla_bridge  # private
+
+    return str(xla_bridge.CUDA_VISIBLE_DEVICES.value)
+
+
+def set_cuda_visible_devices(devices: str) -> None:
+    jax.config.update("jax_cuda_visible_devices", devices)
+
+
+def requested_platforms() -> str:
+    """JAX_PLATFORMS / jax_platforms as given ("" when JAX chooses)."""
+    return str(jax.config.jax_platforms or "")

@@ -27,6 +27,8 @@ except ImportError as err:  # pragma: no cover - environment problem
 
 import jax
 
+from . import _cuda
+
 try:
     from . import _native
 except ImportError as err:  # pragma: no cover - environment problem
@@ -150,8 +152,11 @@ _native.configure(
     max_count=int(os.environ.get("DISTLINALG_MAX_COUNT", _INT_MAX)),
 )
 
-for _name, _capsule in _native.registrations().items():
+for _name, _capsule in _native.registrations(_cuda.cpu_variant(BUILD_INFO)).items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+_cuda.register_handlers(_native, BUILD_INFO)
+_cuda.configure_transport(_native, BUILD_INFO)
+_cuda.select_device(MPI.COMM_WORLD)
 
 
 # ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 
-from .. import _compat
+from .. import _compat, _mpi
 from .._compat import ad, batching, mlir
 from .._mpi import Communicator
 
@@ -130,7 +130,10 @@ def register_lowering(
     aliases: dict[int, int] | None = None,
     token_only_result: bool = False,
 ) -> None:
-    """CPU lowering of `prim` to the FFI handler `target`, threading the token.
+    """Lowering of `prim` to the FFI handler `target`, threading the token.
+
+    Registered for the CPU and, in builds with the CUDA handlers, for CUDA
+    (the same target name; XLA picks the handler of the platform).
 
     Args:
       attrs: params -> the handler's attributes (numpy scalars of their types).
@@ -165,8 +168,28 @@ def register_lowering(
         _, *results = emit(ctx, _compat.fresh_token(), operands, params, list(ctx.avals_out))
         return results
 
-    mlir.register_lowering(prim, lowering, platform="cpu")
-    mlir.register_lowering(_eager_twins[prim], twin_lowering, platform="cpu")
+    if _mpi.BUILD_INFO["cuda"]:
+        platforms = ("cpu", "cuda")
+    else:
+        platforms = ("cpu",)
+        _register_missing_cuda(prim)
+    for platform in platforms:
+        mlir.register_lowering(prim, lowering, platform=platform)
+        mlir.register_lowering(_eager_twins[prim], twin_lowering, platform=platform)
+
+
+def _register_missing_cuda(prim: Primitive) -> None:
+    """A CUDA lowering that explains why there is none (instead of JAX's generic error)."""
+
+    def unavailable(ctx, *operands, **params):
+        raise NotImplementedError(
+            f"{prim.name} on a CUDA device: this distlinalg build has no CUDA handlers "
+            "(cuda.h was not found at build time). Rebuild with DISTLINALG_CUDA=on and "
+            "CUDA_HOME pointing at a CUDA toolkit, or run on the CPU."
+        )
+
+    mlir.register_lowering(prim, unavailable, platform="cuda")
+    mlir.register_lowering(_eager_twins[prim], unavailable, platform="cuda")
 
 
 _DUMMY_AVAL = _compat.ShapedArray((), np.int32)

@@ -1,0 +1,221 @@
+"""The CUDA handlers without a GPU: lowering, configuration, device selection,
+and (under DISTLINALG_CUDA_EMULATION=1 with the stand-in driver
+tests/cuda_driver_stub.c) the staging and CUDA-aware code paths themselves.
+
+`make test` runs this file in the normal passes and again, with the comm
+suites, in the emulation passes (host-staged and CUDA-aware).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import distlinalg as dl
+from distlinalg import _compat, _cuda, _mpi
+
+from conftest import assert_matches_reference
+
+BUILT = bool(_mpi.BUILD_INFO["cuda"])
+EMULATED = _cuda.emulated()
+needs_build = pytest.mark.skipif(not BUILT, reason="distlinalg built without the CUDA handlers")
+needs_emulation = pytest.mark.skipif(
+    not EMULATED, reason="runs under DISTLINALG_CUDA_EMULATION=1 (make test's emulation passes)"
+)
+
+
+def test_mpi_cuda_support_query_answers():
+    support = _mpi._native.mpi_cuda_support()
+    assert support["supported"] in (-1, 0, 1)
+    assert support["method"]
+
+
+@needs_build
+def test_collectives_lower_for_cuda():
+    """Every comm primitive has a CUDA lowering to the same FFI target."""
+    x = jnp.arange(6.0).reshape(3, 2)
+
+    def program(v):
+        v = dl.comm.allreduce(v)
+        v = v + dl.comm.bcast(v, root=0)
+        g = dl.comm.allgather(v)
+        v = v + dl.comm.reduce_scatter(g, op="sum")
+        return dl.comm.sendrecv(v, v, source=dl.rank(), dest=dl.rank())
+
+    text = jax.jit(program).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    for target in ("distlinalg_allreduce", "distlinalg_bcast", "distlinalg_allgather",
+                   "distlinalg_reduce_scatter", "distlinalg_sendrecv"):
+        assert f'"{target}"' in text or f"@{target}" in text, target
+
+
+@pytest.mark.skipif(BUILT, reason="this build has the CUDA handlers")
+def test_cuda_lowering_without_handlers_explains():
+    with pytest.raises(NotImplementedError, match="DISTLINALG_CUDA=on"):
+        jax.jit(dl.comm.allreduce).trace(jnp.ones(3)).lower(lowering_platforms=("cuda",))
+
+
+def test_transport_was_reported():
+    assert _cuda.STATE["transport"]
+    assert _cuda.STATE["mpi_cuda_aware"].split()[0] in ("yes", "no", "unknown")
+
+
+class _RecordingNative:
+    """Stands in for distlinalg._native in configure_transport."""
+
+    def __init__(self, supported: int):
+        self.supported = supported
+        self.cuda_aware = None
+
+    def mpi_cuda_support(self):
+        return {"supported": self.supported, "method": "test"}
+
+    def set_cuda_transport(self, cuda_aware):
+        self.cuda_aware = cuda_aware
+
+
+@pytest.mark.parametrize(
+    "setting, supported, expected",
+    [("auto", 1, "cuda-aware"), ("auto", 0, "host-staged"), ("auto", -1, "host-staged"),
+     ("0", 1, "host-staged"), ("1", -1, "cuda-aware")],
+)
+def test_transport_choice(monkeypatch, setting, supported, expected):
+    saved = dict(_cuda.STATE)
+    monkeypatch.setenv("DISTLINALG_CUDA_AWARE", setting)
+    native = _RecordingNative(supported)
+    try:
+        assert _cuda.configure_transport(native, {"cuda": True}) == expected
+        assert native.cuda_aware == (expected == "cuda-aware")
+    finally:
+        _cuda.STATE.update(saved)
+
+
+def test_forcing_cuda_aware_on_a_library_that_says_no_warns(monkeypatch):
+    saved = dict(_cuda.STATE)
+    monkeypatch.setenv("DISTLINALG_CUDA_AWARE", "1")
+    try:
+        with pytest.warns(RuntimeWarning, match="crashes a non-CUDA-aware MPI"):
+            _cuda.configure_transport(_RecordingNative(0), {"cuda": True})
+    finally:
+        _cuda.STATE.update(saved)
+
+
+def test_bad_transport_setting_is_an_error(monkeypatch):
+    monkeypatch.setenv("DISTLINALG_CUDA_AWARE", "sometimes")
+    with pytest.raises(ValueError, match="DISTLINALG_CUDA_AWARE"):
+        _cuda.configure_transport(_RecordingNative(0), {"cuda": True})
+
+
+@pytest.fixture
+def pretend_cuda_jax(monkeypatch, tmp_path):
+    """select_device's view of a machine with JAX's CUDA plugin and N GPUs."""
+    chosen = []
+    monkeypatch.setattr(_cuda, "cuda_plugin_installed", lambda: True)
+    monkeypatch.setattr(_compat, "backends_started", lambda: False)
+    monkeypatch.setattr(_compat, "cuda_visible_devices", lambda: "all")
+    monkeypatch.setattr(_compat, "requested_platforms", lambda: "")
+    monkeypatch.setattr(_compat, "set_cuda_visible_devices", chosen.append)
+    monkeypatch.setattr(_cuda, "visible_gpu_count", lambda: int(os.environ["DISTLINALG_STUB_GPUS"]))
+    saved = dict(_cuda.STATE)
+    yield chosen
+    _cuda.STATE.update(saved)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_each_rank_takes_its_node_local_gpu(pretend_cuda_jax, monkeypatch, comm, gpus):
+    monkeypatch.setenv("DISTLINALG_STUB_GPUS", str(gpus))
+    monkeypatch.delenv("DISTLINALG_GPU_DEVICE", raising=False)
+    _cuda.select_device(comm)
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    expected = local.Get_rank() % gpus
+    local.Free()
+    assert_matches_reference(int(pretend_cuda_jax[0]), np.array(comm.allgather(expected)), comm)
+
+
+def test_gpu_device_override_and_opt_out(pretend_cuda_jax, monkeypatch, comm):
+    monkeypatch.setenv("DISTLINALG_STUB_GPUS", "2")
+    monkeypatch.setenv("DISTLINALG_GPU_DEVICE", "1")
+    _cuda.select_device(comm)
+    monkeypatch.setenv("DISTLINALG_GPU_DEVICE", "none")
+    assert "left to JAX" in _cuda.select_device(comm)
+    assert pretend_cuda_jax == ["1"]
+
+
+@pytest.mark.parametrize("value", ["third", "-1", "5"])
+def test_bad_gpu_device_setting_is_an_error(pretend_cuda_jax, monkeypatch, comm, value):
+    monkeypatch.setenv("DISTLINALG_STUB_GPUS", "2")
+    monkeypatch.setenv("DISTLINALG_GPU_DEVICE", value)
+    with pytest.raises(ValueError, match="DISTLINALG_GPU_DEVICE"):
+        _cuda.select_device(comm)
+
+
+def test_device_selection_leaves_a_started_backend_alone(pretend_cuda_jax, monkeypatch, comm):
+    monkeypatch.setenv("DISTLINALG_STUB_GPUS", "2")
+    monkeypatch.setattr(_compat, "backends_started", lambda: True)
+    assert "unchanged" in _cuda.select_device(comm)
+    assert pretend_cuda_jax == []
+
+
+# ---------------------------------------------------------------------------
+# Emulation: the CUDA handlers registered on the CPU, the stand-in driver.
+def _stub_stats() -> dict[str, int]:
+    stats = (ctypes.c_longlong * 6)()
+    ctypes.CDLL(os.environ["DISTLINALG_LIBCUDA"]).distlinalg_stub_stats(stats)
+    names = ("to_host", "to_device", "on_device", "fills", "syncs", "pinned_allocs")
+    return dict(zip(names, stats))
+
+
+def _stub_delta(fn):
+    before = _stub_stats()
+    jax.block_until_ready(fn())
+    after = _stub_stats()
+    return {k: after[k] - before[k] for k in after}
+
+
+def _staged() -> bool:
+    return _mpi._native.cuda_transport() == "host-staged"
+
+
+@needs_emulation
+def test_allreduce_moves_through_the_transport(comm, rank, size):
+    x = jnp.arange(1000, dtype=jnp.float64) * (rank + 1)
+    f = jax.jit(dl.comm.allreduce)
+    f(x)  # compile outside the measurement
+    delta = _stub_delta(lambda: f(x))
+    if _staged():
+        assert delta["to_host"] == x.nbytes and delta["to_device"] == x.nbytes
+    else:
+        assert delta["to_host"] == 0 and delta["to_device"] == 0
+    assert delta["syncs"] >= 1  # XLA's stream is always waited for before MPI
+    assert_matches_reference(f(x), lambda g: np.broadcast_to(
+        np.arange(1000.0) * size * (size + 1) / 2, g.shape), comm)
+
+
+@needs_emulation
+def test_half_precision_is_staged_in_every_transport(comm, rank, size):
+    x = jnp.full(8, rank + 1, jnp.float16)
+    f = jax.jit(dl.comm.allreduce)
+    f(x)
+    delta = _stub_delta(lambda: f(x))
+    assert delta["to_host"] == x.nbytes
+    assert_matches_reference(np.asarray(f(x), np.float64), lambda g: np.full(g.shape, size * (size + 1) / 2), comm)
+
+
+@needs_emulation
+def test_device_side_copies_and_fills_in_cuda_aware_mode(comm, rank, size):
+    """reduce zero-fills non-root outputs; recv starts from its template: on device."""
+    x = jnp.arange(4.0) + rank
+    f = jax.jit(lambda v: dl.comm.reduce(v, "sum", root=0))
+    f(x)
+    delta = _stub_delta(lambda: f(x))
+    if not _staged() and rank != 0:
+        assert delta["fills"] == 1
+    else:
+        assert delta["fills"] == 0
+    expected_root = sum(np.arange(4.0) + r for r in range(size))
+    assert_matches_reference(f(x), lambda g: np.stack([expected_root] + [np.zeros(4)] * (size - 1)), comm)
