@@ -108,8 +108,11 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, history,
 
     zeros = jax.tree_util.tree_map(jnp.zeros_like, b)
     one, zero = jnp.ones((), dtype), jnp.zeros((), dtype)
+    # Without a preconditioner y = M r₂ is r₂ itself: carrying both would make
+    # XLA copy the vector every iteration.
+    preconditioned = precond is not C.identity
     state = dict(
-        x=x0, r1=r1, r2=r1, y=y, w=zeros, w2=zeros,
+        x=x0, r1=r1, r2=r1, y=y if preconditioned else None, w=zeros, w2=zeros,
         beta=beta1, oldb=zero, dbar=zero, epsln=zero, phibar=phibar,
         cs=-one, sn=zero, k=jnp.int32(0), reason=failure0, happy=jnp.bool_(False), hist=hist,
     )
@@ -119,7 +122,7 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, history,
 
     def step(s):
         beta, oldb = s["beta"], s["oldb"]
-        v = C.tree_scale(1 / beta, s["y"])
+        v = C.tree_scale(1 / beta, s["y"] if preconditioned else s["r2"])
         y = op(v)
         # The three-term recurrence has no previous vector in the first step.
         previous = jnp.where(s["k"] >= 1, beta / jnp.where(oldb == 0, 1, oldb), 0)
@@ -156,7 +159,7 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, history,
         hist = C.record(s["hist"], k, phibar) if s["hist"] is not None else None
         C.monitor_print("minres", red.comm, monitor, k, phibar)
         return dict(
-            x=x, r1=r1, r2=r2, y=y, w=w, w2=w2, beta=beta_new, oldb=beta, dbar=dbar, epsln=epsln,
+            x=x, r1=r1, r2=r2, y=y if preconditioned else None, w=w, w2=w2, beta=beta_new, oldb=beta, dbar=dbar, epsln=epsln,
             phibar=phibar, cs=cs, sn=sn, k=k, reason=failure, happy=beta_new == 0, hist=hist,
         )
 
