@@ -54,21 +54,27 @@ std::string RuntimeLibraryVersion() {
 #define DL_VARIANT(symbol, variant) Capsule(symbol)
 #endif
 
+// Every handler: (FFI target name, handler symbol).
+#define DL_FOR_EACH_HANDLER(X)                    \
+  X("distlinalg_allreduce", DlAllreduce)          \
+  X("distlinalg_reduce", DlReduce)                \
+  X("distlinalg_bcast", DlBcast)                  \
+  X("distlinalg_gather", DlGather)                \
+  X("distlinalg_scatter", DlScatter)              \
+  X("distlinalg_allgather", DlAllgather)          \
+  X("distlinalg_reduce_scatter", DlReduceScatter) \
+  X("distlinalg_alltoall", DlAlltoall)            \
+  X("distlinalg_scan", DlScan)                    \
+  X("distlinalg_barrier", DlBarrier)              \
+  X("distlinalg_send", DlSend)                    \
+  X("distlinalg_recv", DlRecv)                    \
+  X("distlinalg_sendrecv", DlSendrecv)
+
 nb::dict Registrations(const std::string& variant) {
   nb::dict d;
-  d["distlinalg_allreduce"] = DL_VARIANT(DlAllreduce, variant);
-  d["distlinalg_reduce"] = DL_VARIANT(DlReduce, variant);
-  d["distlinalg_bcast"] = DL_VARIANT(DlBcast, variant);
-  d["distlinalg_gather"] = DL_VARIANT(DlGather, variant);
-  d["distlinalg_scatter"] = DL_VARIANT(DlScatter, variant);
-  d["distlinalg_allgather"] = DL_VARIANT(DlAllgather, variant);
-  d["distlinalg_reduce_scatter"] = DL_VARIANT(DlReduceScatter, variant);
-  d["distlinalg_alltoall"] = DL_VARIANT(DlAlltoall, variant);
-  d["distlinalg_scan"] = DL_VARIANT(DlScan, variant);
-  d["distlinalg_barrier"] = DL_VARIANT(DlBarrier, variant);
-  d["distlinalg_send"] = DL_VARIANT(DlSend, variant);
-  d["distlinalg_recv"] = DL_VARIANT(DlRecv, variant);
-  d["distlinalg_sendrecv"] = DL_VARIANT(DlSendrecv, variant);
+#define DL_REGISTER(name, symbol) d[name] = DL_VARIANT(symbol, variant);
+  DL_FOR_EACH_HANDLER(DL_REGISTER)
+#undef DL_REGISTER
   return d;
 }
 
