@@ -96,7 +96,7 @@ def test_sparse_rows_matvec_and_transpose(comm, rank, size, case):
     # Checked on the gathered list, so every rank passes or fails together.
     formats = comm.allgather(op.pattern.format)
     if case == "poisson":
-        assert formats == ["dia"] * size  # the stencil's few offsets, halo included
+        assert formats == ["dia"] * size  # the stencil's few offsets (the halo is a separate product)
     if case == "scattered":
         assert formats == ["ell"] * size  # equal row lengths, many distinct offsets
     dense = A.toarray()
@@ -113,6 +113,100 @@ def test_sparse_rows_matvec_and_transpose(comm, rank, size, case):
         np.testing.assert_allclose(concat_blocks(op.diagonal(), comm), np.diagonal(dense))
 
 
+def test_sparse_rows_poisson_bulk_by_diagonals_on_every_rank(comm, rank, size):
+    """The halo must not leak into the bulk's storage: every rank's own block
+    is stored by the stencil's five diagonals (a halo column sits ~block
+    length away from its row and, stored in the same diagonals, would make
+    the last rank stream a vector twice its block), and the halo entries
+    form a small separate product over the grid rows next to the block
+    boundaries: at most one grid row per neighbour."""
+    n = 12
+    A = poisson(n)
+    op = ops.sparse_rows(A, comm=comm)
+    pattern = op.pattern
+    mine = {
+        "format": pattern.format,
+        "offsets": pattern.own.offsets.tolist() if pattern.format == "dia" else None,
+        "halo_format": pattern.halo_format,
+        "halo_rows": int(pattern.halo_rows.size),
+    }
+    everyone = comm.allgather(mine)  # every rank asserts on every rank's layout
+    neighbours = [(r > 0) + (r < size - 1) for r in range(size)]
+    assert [e["format"] for e in everyone] == ["dia"] * size
+    assert [e["offsets"] for e in everyone] == [[-n, -1, 0, 1, n]] * size
+    assert [e["halo_format"] for e in everyone] == ["dia" if size > 1 else None] * size
+    assert [e["halo_rows"] for e in everyone] == [n * k for k in neighbours]
+    x = np.random.default_rng(12).standard_normal(n * n)
+    y = jax.jit(op.matvec)(jnp.asarray(block_of(x, pattern.columns, rank)))
+    np.testing.assert_allclose(concat_blocks(y, comm), A @ x, rtol=1e-13, atol=1e-13)
+
+
+def halo_heavy(size, block=10):
+    """Blocks of `block` rows, one per rank, each diagonal, plus off-block
+    entries: the block's first row reaches every other rank's columns, its
+    other rows one column each in the next block. Uneven halo rows:
+    segment-sum storage for the halo, diagonals for the own block."""
+    N = block * size
+    A = sp.lil_matrix((N, N))
+    A.setdiag(2.0)
+    if size > 1:
+        for r in range(size):
+            first = r * block
+            outside = [c for c in range(N) if not first <= c < first + block]
+            A[first, outside] = np.linspace(0.5, 1.5, len(outside))
+            for i in range(1, block):
+                A[first + i, (first + block + i) % N] = -0.5 - 0.1 * i
+    return A.tocsr()
+
+
+def test_sparse_rows_halo_segment_path(comm, rank, size):
+    A = halo_heavy(size)
+    op = ops.sparse_rows(A, comm=comm)
+    formats = comm.allgather((op.pattern.format, op.pattern.halo_format))
+    assert formats == [("dia", "segment" if size > 1 else None)] * size
+    dense = A.toarray()
+    np.testing.assert_allclose(np.asarray(op.to_dense()), dense, rtol=1e-14, atol=1e-15)
+    np.testing.assert_allclose(np.asarray(op.T.to_dense()), dense.T, rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.parametrize("case", ["poisson", "halo_heavy", "scattered"])
+def test_sparse_rows_derivatives_wrt_values(comm, rank, size, case):
+    """jvp and vjp of x ↦ A(values) x with respect to the values (jitted):
+    the tangent is A(tangent values) x, the cotangent of entry (i, j) is w_i x_j."""
+    if case == "poisson":
+        A = poisson(5)
+    elif case == "halo_heavy":
+        A = halo_heavy(size)
+    else:
+        rng = np.random.default_rng(13)
+        n = 30
+        cols = np.stack([rng.permutation(n) for _ in range(3)], axis=1)
+        A = sp.csr_matrix((np.ones(3 * n), (np.repeat(np.arange(n), 3), cols.ravel())), shape=(n, n)).tocsr()
+    op = ops.sparse_rows(A, comm=comm)
+    data, indices, indptr = op.local_csr
+    rows = op.pattern.rows
+    N = A.shape[0]
+    x = np.random.default_rng(14).standard_normal(N)
+    w = np.random.default_rng(15).standard_normal(N)
+    x_local, w_local = jnp.asarray(block_of(x, rows, rank)), jnp.asarray(block_of(w, rows, rank))
+    tangent = jnp.asarray(np.random.default_rng(16 + rank).standard_normal(data.shape))
+
+    def apply(values):
+        return op.with_data(values).matvec(x_local)
+
+    _, y_dot = jax.jit(lambda v, t: jax.jvp(apply, (v,), (t,)))(data, tangent)
+    (values_bar,) = jax.jit(lambda v, c: jax.vjp(apply, v)[1](c))(data, w_local)
+
+    local_rows = np.repeat(np.arange(indptr.size - 1), np.diff(indptr))
+    tangent_matrix = sp.coo_matrix((concat_blocks(tangent, comm),
+                                    (concat_blocks(local_rows + rows.starts[rank], comm), concat_blocks(indices, comm))),
+                                   shape=A.shape)
+    np.testing.assert_allclose(concat_blocks(y_dot, comm), tangent_matrix @ x, rtol=1e-13, atol=1e-13)
+    expected_bar = np.asarray(w_local)[local_rows] * x[indices]
+    np.testing.assert_allclose(concat_blocks(values_bar, comm), concat_blocks(expected_bar, comm),
+                               rtol=1e-13, atol=1e-13)
+
+
 def test_sparse_rows_local_blocks_and_segment_path(comm, rank, size):
     # One long row forces the segment-sum product (rank 0) instead of ELLPACK;
     # the purely diagonal blocks of the other ranks are stored by diagonals.
@@ -123,7 +217,7 @@ def test_sparse_rows_local_blocks_and_segment_path(comm, rank, size):
     sizes = uneven(8, size)
     start = sum(sizes[:rank])
     op = ops.sparse_rows(A[start : start + sizes[rank]], local=True, comm=comm)
-    assert op.pattern.format == ("segment" if rank == 0 else "dia")
+    assert comm.allgather(op.pattern.format) == ["segment"] + ["dia"] * (size - 1)
     np.testing.assert_allclose(np.asarray(op.to_dense()), A.toarray(), rtol=1e-14)
 
 
