@@ -219,3 +219,15 @@ def test_device_side_copies_and_fills_in_cuda_aware_mode(comm, rank, size):
         assert delta["fills"] == 0
     expected_root = sum(np.arange(4.0) + r for r in range(size))
     assert_matches_reference(f(x), lambda g: np.stack([expected_root] + [np.zeros(4)] * (size - 1)), comm)
+
+
+@needs_emulation
+def test_donated_and_loop_carried_buffers(comm, rank, size):
+    """XLA hands the operand back as the result (aliasing): one host copy, reduced in place."""
+    f = jax.jit(dl.comm.allreduce, donate_argnums=0)
+    out = f(jnp.arange(1000.0) + rank)
+    expected = np.arange(1000.0) * size + size * (size - 1) / 2
+    assert_matches_reference(out, lambda g: np.broadcast_to(expected, g.shape), comm)
+
+    loop = jax.jit(lambda v: jax.lax.fori_loop(0, 3, lambda i, u: dl.comm.allreduce(u) / size, v))
+    assert_matches_reference(loop(jnp.full(7, float(rank))), lambda g: np.full(g.shape, (size - 1) / 2), comm)
