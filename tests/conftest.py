@@ -2,7 +2,8 @@
 
 The suite runs under ``mpiexec -n N`` (see tests/run_mpi.py); every rank runs
 every test in the same order. Tests marked ``serial`` run in one plain
-process instead.
+process instead; tests marked ``max_ranks(n)`` only where the world has at
+most n ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +17,23 @@ import pytest  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import distlinalg  # noqa: E402,F401  (initialises MPI and the handlers)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "max_ranks(n): run only when the world has at most n ranks: long runs whose checks do not "
+        "depend on the rank count, spared the oversubscribed larger worlds",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    # Decided from the world size alone, so every rank skips the same tests.
+    world = MPI.COMM_WORLD.Get_size()
+    for item in items:
+        marker = item.get_closest_marker("max_ranks")
+        if marker is not None and world > marker.args[0]:
+            item.add_marker(pytest.mark.skip(reason=f"runs on at most {marker.args[0]} ranks, this world has {world}"))
 
 
 @pytest.fixture

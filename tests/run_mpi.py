@@ -9,6 +9,10 @@ $MPITEST_LOGS so that concurrent runs do not overwrite each other's). Rank 0's l
 shown; a rank that fails has its log shown too. pytest-timeout bounds every
 test (a deadlock fails that test, names it and dumps the rank's stacks), and
 a wall-clock limit on the whole mpiexec run catches anything else.
+
+The rank counts of one run share XLA executables through a JAX persistent
+compilation cache that lives as long as the run (see use_compilation_cache;
+--no-compile-cache turns it off).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,10 +49,28 @@ def find_mpiexec() -> list[str]:
     return cmd
 
 
+def use_compilation_cache(cache_dir: str, writer: bool) -> None:
+    """Load executables that an earlier world of this run compiled (set before JAX is imported).
+
+    Compiling is most of the suite's time, every rank compiles the same
+    programs, and most of them do not depend on the rank count. JAX's
+    persistent cache is keyed by the lowered program, so distlinalg's rules
+    and lowerings still run in every world; only XLA's compilation of a
+    program already compiled in this run is skipped. One writer per world:
+    JAX writes entries in place without a lock, and a reader that meets an
+    entry being written compiles instead (with a warning).
+    """
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0" if writer else "1e9"
+
+
 def worker(argv: list[str]) -> int:
     """Inside mpiexec: redirect this rank's output to its log, run pytest."""
-    log_dir = Path(argv[0])
+    log_dir, cache_dir = Path(argv[0]), argv[1]
     rank = next((os.environ[k] for k in RANK_ENV if k in os.environ), "0")
+    if cache_dir:
+        use_compilation_cache(cache_dir, writer=rank == "0")
     log_dir.mkdir(parents=True, exist_ok=True)
     log = open(log_dir / f"rank{rank}.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)
@@ -56,18 +79,18 @@ def worker(argv: list[str]) -> int:
     sys.stderr = os.fdopen(2, "w", buffering=1)
     import pytest
 
-    code = pytest.main(argv[1:])
+    code = pytest.main(argv[2:])
     sys.stdout.flush()
     sys.stderr.flush()
     (log_dir / f"rank{rank}.rc").write_text(str(int(code)))
     return int(code)
 
 
-def run_ranks(nprocs: int, pytest_args: list[str], timeout: float) -> bool:
+def run_ranks(nprocs: int, pytest_args: list[str], timeout: float, cache_dir: str) -> bool:
     log_dir = LOGS / f"n{nprocs}"
     shutil.rmtree(log_dir, ignore_errors=True)
     cmd = find_mpiexec() + [
-        "-n", str(nprocs), sys.executable, __file__, "--worker", str(log_dir),
+        "-n", str(nprocs), sys.executable, __file__, "--worker", str(log_dir), cache_dir,
         "-p", "no:cacheprovider", "-m", "not serial",
         # A rank blocked inside MPI never returns to the interpreter, so
         # SIGALRM-based timeouts would never fire: use the timer thread.
@@ -113,6 +136,8 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--timeout", type=float, default=1500.0, help="wall-clock limit per rank count (s)")
     parser.add_argument("--no-serial", action="store_true", help="skip the single-process tests")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="compile everything afresh in every world (no shared JAX compilation cache)")
     parser.add_argument("--mpiexec-only", action="store_true", help="run a command under mpiexec")
     parser.add_argument("-n", type=int, default=2, help="ranks for --mpiexec-only")
     parser.add_argument("rest", nargs=argparse.REMAINDER)
@@ -127,8 +152,13 @@ def main() -> int:
             [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "serial", *rest], cwd=ROOT
         )
         results.append(code in (0, 5))
-    for n in args.ranks:
-        results.append(run_ranks(n, rest, args.timeout))
+    cache_dir = "" if args.no_compile_cache else tempfile.mkdtemp(prefix="distlinalg-jax-cache-")
+    try:
+        for n in args.ranks:
+            results.append(run_ranks(n, rest, args.timeout, cache_dir))
+    finally:
+        if cache_dir:
+            shutil.rmtree(cache_dir, ignore_errors=True)
     print(f"=== summary: {sum(results)} of {len(results)} runs passed", flush=True)
     return 0 if all(results) else 1
 

@@ -1,5 +1,6 @@
-"""barrier: synchronises eagerly and under jit, keeps its place in program order, binds once
-under vmap/grad, and is never dropped as dead code."""
+"""barrier: synchronises eagerly and under jit, binds once under vmap/grad, and is never
+dropped as dead code. (Its place in program order is checked in test_collectives.py,
+which every MPI pass runs.)"""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _barrier_count(jaxpr):
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_barrier_waits_for_the_slowest_rank(comm, rank, size, jit):
+def test_barrier_waits_for_the_slowest_rank(comm, rank, jit):
     f = jax.jit(lambda: barrier(comm=comm)) if jit else (lambda: barrier(comm=comm))
     f()  # compile (and synchronise) once before timing
     if rank == 0:
@@ -29,29 +30,10 @@ def test_barrier_waits_for_the_slowest_rank(comm, rank, size, jit):
     start = time.perf_counter()
     assert f() is None
     waited = time.perf_counter() - start
-    if rank != 0:
-        assert waited > 0.5 * DELAY, waited  # held until rank 0 arrived
-    np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [size])
-
-
-def test_barrier_between_allreduces_in_jit(comm, rank, size):
-    def f(x):
-        a = allreduce(x, comm=comm)
-        barrier(comm=comm)
-        b = allreduce(2 * x, "max", comm=comm)
-        barrier(comm=comm)
-        return a, b
-
-    jaxpr = jax.make_jaxpr(f)(jnp.ones(2))
-    names = [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name.startswith("distlinalg")]
-    assert names == ["distlinalg_allreduce", "distlinalg_barrier", "distlinalg_allreduce", "distlinalg_barrier"]
-    x = jnp.full(2, rank + 1.0)
-    a, b = jax.jit(f)(x)
-    np.testing.assert_allclose(a, np.full(2, size * (size + 1) / 2))
-    np.testing.assert_allclose(b, np.full(2, 2.0 * size))
-    # Eagerly too.
-    a, b = f(x)
-    np.testing.assert_allclose(a, np.full(2, size * (size + 1) / 2))
+    # Judged on the gathered times, so a rank that was let through early
+    # fails the test on every rank instead of leaving the others behind.
+    others_waited = comm.allgather(waited)[1:]
+    assert all(w > 0.5 * DELAY for w in others_waited), others_waited  # held until rank 0 arrived
 
 
 def test_barrier_is_not_dead_code_and_binds_once_under_transformations(comm, rank, size):

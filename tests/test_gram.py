@@ -17,6 +17,12 @@ from distlinalg.comm import allgather, allreduce, reduce_scatter
 VISIBLE, HIDDEN = 4, 3
 
 
+def uneven_counts(size):
+    """Samples per rank, different on every rank. The tests that can use these
+    counts do: operators of the same shapes reuse each other's eager compilations."""
+    return [5 + r for r in range(size)]
+
+
 def samples_of(counts, rank, seed=0):
     """±1 configurations: all ranks' samples (global) and this rank's slice."""
     total = int(sum(counts))
@@ -67,11 +73,11 @@ def dense_reference(f, params, everything, mode, center, diag_shift, diag_scale)
     if mode == "complex":
         n = flat.size
         theta = jnp.concatenate([jnp.real(flat), jnp.imag(flat)])
-        J = jax.jacfwd(lambda t: f(unravel(t[:n] + 1j * t[n:]), X).astype(complex))(theta)
+        J = jax.jit(jax.jacfwd(lambda t: f(unravel(t[:n] + 1j * t[n:]), X).astype(complex)))(theta)
     elif mode == "holomorphic":
-        J = jax.jacfwd(lambda t: f(unravel(t), X), holomorphic=True)(flat)
+        J = jax.jit(jax.jacfwd(lambda t: f(unravel(t), X), holomorphic=True))(flat)
     else:
-        J = jax.jacfwd(lambda t: f(unravel(t), X))(flat)
+        J = jax.jit(jax.jacfwd(lambda t: f(unravel(t), X)))(flat)
     J = np.asarray(J)
     if center:
         J = J - J.mean(axis=0)
@@ -102,7 +108,7 @@ GRAM_CASES = [
 def test_gram_against_dense_jacobian(comm, rank, size, model, center, diag_shift, diag_scale, chunk_size):
     f, dtype = MODELS[model]
     mode = model.split("-")[0]
-    counts = [5 + r for r in range(size)]  # uneven on purpose
+    counts = uneven_counts(size)
     everything, mine = samples_of(counts, rank)
     params = params_of(dtype)
     op = ops.gram(f, params, jnp.asarray(mine), center=center, diag_shift=diag_shift, diag_scale=diag_scale,
@@ -180,7 +186,7 @@ def test_gram_with_sharded_params(comm, rank, size, center, diag_scale, chunk_si
 
     starts = np.cumsum([0] + sizes)
     flat = np.concatenate([np.concatenate([W[s:e].ravel(), b[s:e]]) for s, e in zip(starts[:-1], starts[1:])])
-    J = np.asarray(jax.jacfwd(full)(jnp.asarray(flat), jnp.asarray(everything)))
+    J = np.asarray(jax.jit(jax.jacfwd(full))(jnp.asarray(flat), jnp.asarray(everything)))
     if center:
         J = J - J.mean(axis=0)
     S = J.T @ J / J.shape[0]
@@ -202,7 +208,7 @@ def test_gram_with_sharded_params(comm, rank, size, center, diag_scale, chunk_si
 @pytest.mark.parametrize("mode", ["real", "holomorphic", "complex"])
 def test_cg_on_gram_matches_dense_solve(comm, rank, size, mode):
     f, dtype = MODELS["real-complex-output" if mode == "real" else mode]
-    counts = [7] * size
+    counts = uneven_counts(size)
     everything, mine = samples_of(counts, rank, seed=6)
     params = params_of(dtype, seed=7)
     flat, unravel = ravel_pytree(params)
@@ -226,7 +232,7 @@ def test_cg_on_gram_matches_dense_solve(comm, rank, size, mode):
 @pytest.mark.parametrize("sharded", [False, True])
 def test_grad_through_cg_on_gram(comm, rank, size, sharded):
     """d/dθ of a replicated loss of the SR update δ = (S(θ) + λ)⁻¹ F(θ)."""
-    counts = [5] * size
+    counts = [5] * size if sharded else uneven_counts(size)  # the sharded model allgathers equal blocks
     everything, mine = samples_of(counts, rank, seed=9)
     X = jnp.asarray(mine)
     if sharded:
@@ -278,8 +284,8 @@ def test_grad_through_cg_on_gram(comm, rank, size, sharded):
         return jnp.sum(jnp.tanh(delta))
 
     theta0 = jnp.asarray(theta0)
-    np.testing.assert_allclose(float(value), float(reference(theta0)), rtol=1e-9)
-    expected = np.asarray(jax.grad(reference)(theta0))
+    ref_value, expected = jax.jit(jax.value_and_grad(reference))(theta0)
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-9)
     got = np.concatenate(comm.allgather(grad_flat)) if sharded else grad_flat
     np.testing.assert_allclose(got, expected, rtol=1e-7, atol=1e-10)
 
@@ -330,13 +336,13 @@ def test_hessian_replicated_params(comm, rank, size):
         p = unravel(theta)
         return jnp.mean(jnp.logaddexp(0.0, -ya * (Xa @ p["w"] + p["c"]))) + 0.05 * jnp.sum(p["w"] ** 4)
 
-    H = np.asarray(jax.hessian(reference)(flat))
+    H = np.asarray(jax.jit(jax.hessian(reference))(flat))
     np.testing.assert_allclose(np.asarray(op.to_dense()), H, rtol=1e-11, atol=1e-13)
     v = jnp.arange(1.0, 7.0)
     np.testing.assert_allclose(np.asarray(ravel_pytree(jax.jit(op.matvec)(unravel(v)))[0]), H @ np.asarray(v),
                                rtol=1e-11)
     # Newton step with MINRES (H may be indefinite in general).
-    g = jax.grad(reference)(flat)
+    g = jax.jit(jax.grad(reference))(flat)
     step, info = dl.minres(op, unravel(g), rtol=1e-12)
     np.testing.assert_allclose(np.asarray(ravel_pytree(step)[0]), np.linalg.solve(H, np.asarray(g)), rtol=1e-8)
 
@@ -359,7 +365,8 @@ def test_hessian_sharded_params(comm, rank, size):
     op = ops.hessian(loss, jnp.asarray(w[cols]), jnp.asarray(X[:, cols]), jnp.asarray(y), sharded_params=True,
                      comm=comm)
     assert op.layout == "sharded"
-    H = np.asarray(jax.hessian(lambda w: jnp.mean(jnp.logaddexp(0.0, -y * (X @ w))) + jnp.sum(jnp.cos(w)))(jnp.asarray(w)))
+    H = np.asarray(jax.jit(jax.hessian(lambda w: jnp.mean(jnp.logaddexp(0.0, -y * (X @ w))) + jnp.sum(jnp.cos(w))))(
+        jnp.asarray(w)))
     np.testing.assert_allclose(np.asarray(op.to_dense()), H, rtol=1e-11, atol=1e-13)
 
 
@@ -382,18 +389,17 @@ def test_gauss_newton(comm, rank, size):
     op = ops.gauss_newton(f, loss_of_outputs, params, X, comm=comm)
     flat, unravel = ravel_pytree(params)
     Xa = jnp.asarray(Xa)
-    J = np.asarray(jax.jacfwd(lambda t: f(unravel(t), Xa).reshape(-1))(flat))
+    J = np.asarray(jax.jit(jax.jacfwd(lambda t: f(unravel(t), Xa).reshape(-1)))(flat))
     outputs = f(params, Xa)
 
     def global_loss(o):
         o = o.reshape(N, 3)
         return jnp.mean(jax.nn.logsumexp(o, axis=1) - o[jnp.arange(N), labels])
 
-    Hout = np.asarray(jax.hessian(global_loss)(outputs.reshape(-1)))
+    Hout = np.asarray(jax.jit(jax.hessian(global_loss))(outputs.reshape(-1)))
     G = J.T @ Hout @ J
     np.testing.assert_allclose(np.asarray(op.to_dense()), G, rtol=1e-11, atol=1e-13)
-    x, info = dl.cg(op, unravel(jnp.ones(flat.size)), rtol=1e-12, maxiter=200)
-    # G is PSD and may be singular: compare A x with b where solvable, via a shift.
+    # G is PSD and may be singular: solve with a shift.
     shifted = ops.LinearOperator(lambda v: jax.tree_util.tree_map(lambda a, b: a + 0.1 * b, op.matvec(v), v),
                                  input_structure=params, comm=comm)
     x, info = dl.cg(shifted, unravel(jnp.ones(flat.size)), rtol=1e-12, maxiter=200)
@@ -428,7 +434,7 @@ def _count_primitives(jaxpr, name):
 def test_gram_matvec_is_one_allreduce_and_linearized_once(comm, rank, size, diag_scale):
     """One parameter-sized allreduce per matvec, and no model evaluation in it
     (the model was linearized at construction: no log/cosh in the matvec)."""
-    _, mine = samples_of([6] * size, rank)
+    _, mine = samples_of(uneven_counts(size), rank)
     params = params_of(np.float64)
     op = ops.gram(rbm, params, jnp.asarray(mine), diag_scale=diag_scale, comm=comm)
     jaxpr = jax.make_jaxpr(op.matvec)(params).jaxpr

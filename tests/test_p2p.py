@@ -90,19 +90,21 @@ def test_send_recv_pair(comm, rank, size):
         np.testing.assert_array_equal(recv(jnp.ones(2), PROC_NULL, comm=comm), np.ones(2))
         pytest.skip("needs 2 ranks for a pair")
     payload = {"a": jnp.arange(4.0), "b": (jnp.arange(6, dtype=jnp.int32).reshape(2, 3),)}
+    send_returned_none, received = None, None
     if rank == 0:
-        assert send(payload, 1, tag=3, comm=comm) is None
+        send_returned_none = send(payload, 1, tag=3, comm=comm) is None
         jax.jit(lambda p: send(p, 1, tag=9, comm=comm))(jax.tree.map(lambda v: v + 1, payload))
     elif rank == 1:
         template = jax.tree.map(jnp.zeros_like, payload)
         got = recv(template, 0, tag=3, comm=comm)
         got2 = jax.jit(lambda t: recv(t, 0, tag=9, comm=comm))(template)
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(payload)):
-            np.testing.assert_array_equal(a, b)
-            assert a.dtype == b.dtype
-        for a, b in zip(jax.tree.leaves(got2), jax.tree.leaves(payload)):
-            np.testing.assert_array_equal(a, b + 1)
-    assert_in_step(comm)
+        received = [np.asarray(a) for a in jax.tree.leaves(got) + jax.tree.leaves(got2)]
+    # Both ends' results are checked on every rank, so a failure fails every rank alike.
+    assert comm.bcast(send_returned_none, root=0)
+    sent = [np.asarray(v) for v in jax.tree.leaves(payload)]
+    for a, b in zip(comm.bcast(received, root=1), sent + [v + 1 for v in sent], strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == b.dtype
 
 
 def test_sendrecv_pytree_and_mixed_shapes(comm, rank, size):

@@ -1,4 +1,7 @@
-"""reduce: values on every root, dtypes, AD against the stacked-ranks program, vmap, loops, errors."""
+"""reduce beyond test_collectives.py's table (values, JVP/VJP, second order and vmap of
+every op at the first and last root): every root against mpi4py, op spellings,
+pytrees, every op in every dtype, complex AD, the middle root's second order,
+discarded results, a middle batch axis, loops, errors."""
 
 from __future__ import annotations
 
@@ -58,19 +61,18 @@ def stacked_reduce(G, op, root):
 
 @pytest.mark.parametrize("op", OPS)
 def test_values_every_root(comm, rank, size, op):
+    """Every root (the table takes the first and last, eagerly and jitted), against numpy and mpi4py."""
     x = local_data(rank)
     G = gather_global(x, comm)
     for root in range(size):
         expected = NP_REDUCE[op](G, axis=0) if rank == root else np.zeros_like(x)
-        eager = reduce(x, op, root=root, comm=comm)
-        jitted = jax.jit(lambda a: reduce(a, op, root=root, comm=comm))(x)
-        for out in (eager, jitted):
-            assert out.shape == x.shape and out.dtype == x.dtype
-            assert_everywhere(out, expected, comm, rtol=1e-13, err_msg=f"root={root}")
+        out = reduce(x, op, root=root, comm=comm)
+        assert out.shape == x.shape and out.dtype == x.dtype
+        assert_everywhere(out, expected, comm, rtol=1e-13, err_msg=f"root={root}")
         # mpi4py's own reduce agrees on root.
         theirs = np.zeros_like(x)
         comm.Reduce(x, theirs, op={"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[op], root=root)
-        assert_everywhere(eager, theirs, comm, rtol=1e-13)
+        assert_everywhere(out, theirs, comm, rtol=1e-13)
 
 
 def test_op_spellings_root_types_and_default_comm(comm, rank, size):
@@ -120,33 +122,6 @@ def test_dtypes(comm, rank, size, dtype):
         assert_everywhere(np.asarray(out).astype(wide), expected, comm, err_msg=op, **tol)
 
 
-@pytest.mark.parametrize("op", OPS)
-def test_derivatives_against_stacked_reference(comm, rank, size, op):
-    """JVP and VJP (rank-dependent cotangent) on every root, eager and jitted."""
-    x = ad_data(op, rank)
-    xdot = jnp.asarray(local_data(rank, (5,), seed=1))
-    ct = jnp.asarray(np.random.default_rng(70 + rank).standard_normal(5))
-    G, Gdot, CT = (jnp.asarray(gather_global(v, comm)) for v in (x, xdot, ct))
-    for root in range(size):
-        local = lambda a: reduce(a, op, root=root, comm=comm)  # noqa: E731
-        ref = lambda g: stacked_reduce(g, op, root)  # noqa: E731
-        _, ref_tangent = jax.jvp(ref, (G,), (Gdot,))
-        _, ref_pullback = jax.vjp(ref, G)
-        (ref_grad,) = ref_pullback(CT)
-        for mode, f in (("eager", local), ("jit", jax.jit(local))):
-            msg = f"root={root} {mode}"
-            y, tangent = jax.jvp(f, (x,), (xdot,))
-            assert_everywhere(y, ref(G)[rank], comm, rtol=1e-13, err_msg=msg)
-            assert_everywhere(tangent, ref_tangent[rank], comm, rtol=1e-12, atol=1e-14, err_msg=msg)
-            _, pullback = jax.vjp(f, x)
-            assert_everywhere(pullback(ct)[0], ref_grad[rank], comm, rtol=1e-12, atol=1e-14, err_msg=msg)
-        # The non-root outputs are constants: a cotangent seeded there goes nowhere.
-        _, pullback = jax.vjp(local, x)
-        only_nonroot = ct * (rank != root)
-        back = gather_global(pullback(only_nonroot)[0], comm)
-        assert_everywhere(back, np.zeros_like(back), comm, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("op", ["sum", "prod"])
 def test_complex_derivatives(comm, rank, size, op):
     rng = np.random.default_rng(rank)
@@ -163,9 +138,10 @@ def test_complex_derivatives(comm, rank, size, op):
     assert_everywhere(grad, jax.vjp(ref, G)[1](CT)[0][rank], comm, rtol=1e-12)
 
 
-@pytest.mark.parametrize("op", ["sum", "prod"])
-def test_second_order(comm, rank, size, op):
-    """Hessian-vector product (forward over reverse) of a rank-weighted loss."""
+@pytest.mark.parametrize("op", OPS)
+def test_derivatives_at_the_middle_root(comm, rank, size, op):
+    """Gradient and Hessian-vector product (forward over reverse), jitted, of a
+    rank-weighted loss at the middle root: the table covers the first and last."""
     x = ad_data(op, rank)
     v = jnp.asarray(local_data(rank, (5,), seed=3))
     w = jnp.asarray(np.random.default_rng(90 + rank).standard_normal(5))
@@ -178,9 +154,10 @@ def test_second_order(comm, rank, size, op):
     def global_loss(g):
         return jnp.sum(W * jnp.sin(stacked_reduce(g, op, root)))
 
-    _, hvp = jax.jit(lambda a, t: jax.jvp(jax.grad(loss), (a,), (t,)))(x, v)
-    _, ref = jax.jvp(jax.grad(global_loss), (G,), (V,))
-    assert_everywhere(hvp, ref[rank], comm, rtol=1e-10, atol=1e-12)
+    grad, hvp = jax.jit(lambda a, t: jax.jvp(jax.grad(loss), (a,), (t,)))(x, v)
+    ref_grad, ref_hvp = jax.jvp(jax.grad(global_loss), (G,), (V,))
+    assert_everywhere(grad, ref_grad[rank], comm, rtol=1e-12, atol=1e-14)
+    assert_everywhere(hvp, ref_hvp[rank], comm, rtol=1e-10, atol=1e-12)
 
 
 def test_nonroot_discards_result(comm, rank, size):
@@ -213,24 +190,25 @@ def test_replicated_loss_gradient(comm, rank, size):
     assert_everywhere(g, ref[rank], comm, rtol=1e-13)
 
 
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("axis", [0, 1, -1])
-def test_vmap_matches_loop(comm, rank, size, op, axis):
-    batch = [ad_data(op, rank, seed=s).reshape(1, 5) for s in range(3)]
-    xs = jnp.stack(batch, axis=axis)
+def test_vmap_over_a_middle_axis(comm, rank, size):
+    """The table batches the outer and last axes; here axis 1 of a (1, 3, 5) stack, every op."""
     root = size - 1
-    fn = lambda a: reduce(a, op, root=root, comm=comm)  # noqa: E731
-    loop = jnp.stack([fn(b) for b in batch])
-    assert_everywhere(jax.vmap(fn, in_axes=axis)(xs), loop, comm, rtol=0)
-    assert_everywhere(jax.jit(jax.vmap(fn, in_axes=axis, out_axes=axis))(xs), jnp.moveaxis(loop, 0, axis), comm, rtol=0)
-    # One message for the whole batch.
-    jaxpr = jax.make_jaxpr(jax.vmap(fn, in_axes=axis))(xs)
-    assert sum(e.primitive is reduce_p for e in jaxpr.jaxpr.eqns) == 1
-    # vmap of the gradient of a rank-weighted loss.
-    w = jnp.asarray(np.random.default_rng(rank).standard_normal((1, 5)))
-    grad = jax.grad(lambda a: jnp.sum(w * fn(a)))
-    grads = jax.jit(jax.vmap(grad, in_axes=axis))(xs)
-    assert_everywhere(grads, jnp.stack([grad(b) for b in batch]), comm, rtol=1e-13, atol=1e-15)
+    for op in OPS:
+        batch = [ad_data(op, rank, seed=s).reshape(1, 5) for s in range(3)]
+        xs = jnp.stack(batch, axis=1)
+        fn = lambda a: reduce(a, op, root=root, comm=comm)  # noqa: E731
+        loop = jnp.stack([fn(b) for b in batch])
+        assert_everywhere(jax.vmap(fn, in_axes=1)(xs), loop, comm, rtol=0, err_msg=op)
+        assert_everywhere(jax.jit(jax.vmap(fn, in_axes=1, out_axes=1))(xs), jnp.moveaxis(loop, 0, 1), comm, rtol=0,
+                          err_msg=op)
+        # One message for the whole batch.
+        jaxpr = jax.make_jaxpr(jax.vmap(fn, in_axes=1))(xs)
+        assert sum(e.primitive is reduce_p for e in jaxpr.jaxpr.eqns) == 1
+        # vmap of the gradient of a rank-weighted loss.
+        w = jnp.asarray(np.random.default_rng(rank).standard_normal((1, 5)))
+        grad = jax.grad(lambda a: jnp.sum(w * fn(a)))
+        grads = jax.jit(jax.vmap(grad, in_axes=1))(xs)
+        assert_everywhere(grads, jnp.stack([grad(b) for b in batch]), comm, rtol=1e-13, atol=1e-15, err_msg=op)
 
 
 def test_loops(comm, rank, size):
