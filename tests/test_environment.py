@@ -26,7 +26,8 @@ def test_environment_report_under_mpiexec():
     assert out.returncode == 0, out.stderr
     text = out.stdout
     for key in ["distlinalg:", "jax:", "jaxlib:", "mpi4py:", "numpy:", "MPI at run time:",
-                "MPI at build time:", "thread level:", "world size:     2", "CUDA support built:"]:
+                "MPI at build time:", "thread level:", "world size:     2", "CUDA handlers:",
+                "MPI CUDA-aware:", "GPU transport:", "GPU device:"]:
         assert key in text, (key, text)
     assert "rank 0 of 2" in text and "rank 1 of 2" in text
 
