@@ -44,11 +44,17 @@ float64 unknowns, counting each vector once per pass between the reductions
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# The one-process peers run on rank 0 while the other ranks sleep, and get the
+# whole node: distlinalg's per-rank CPU blocks (distlinalg/_cpu.py) would give
+# them one rank's share. Set DISTLINALG_CPU_AFFINITY=auto to measure with them.
+os.environ.setdefault("DISTLINALG_CPU_AFFINITY", "none")
 
 import jax  # noqa: E402
 

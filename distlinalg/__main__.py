@@ -18,7 +18,7 @@ def environment_report() -> str:
     import numpy as np
     from mpi4py import MPI
 
-    from . import __version__, _cuda, _mpi
+    from . import __version__, _cpu, _cuda, _mpi
 
     comm = _mpi.DEFAULT_COMM
     levels = {
@@ -49,12 +49,13 @@ def environment_report() -> str:
         f"MPI CUDA-aware: {_cuda.STATE.get('mpi_cuda_aware', '?')}",
         f"GPU transport:  {_cuda.STATE.get('transport', '?')}",
         f"GPU device:     {_cuda.STATE.get('device', '?')}",
+        f"CPU affinity:   {_cpu.STATE.get('affinity', '?')}",
         f"XLA CPU YNN fusions: {distlinalg.YNN_FUSION}",
         f"debug log (DISTLINALG_DEBUG): {settings['debug_log']}; "
         f"signature check (DISTLINALG_CHECK): {settings['check_signatures']}",
     ]
     host = platform.node()
-    everyone = comm.comm.allgather(f"rank {comm.rank} of {comm.size} on {host}")
+    everyone = comm.comm.allgather(f"rank {comm.rank} of {comm.size} on {host}: {_cpu.STATE.get('affinity', '?')}")
     lines += ["ranks:"] + [f"  {line}" for line in everyone]
     return "\n".join(lines)
 

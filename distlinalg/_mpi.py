@@ -27,7 +27,7 @@ except ImportError as err:  # pragma: no cover - environment problem
 
 import jax
 
-from . import _cuda
+from . import _cpu, _cuda
 
 try:
     from . import _native
@@ -157,6 +157,7 @@ for _name, _capsule in _native.registrations(_cuda.cpu_variant(BUILD_INFO)).item
 _cuda.register_handlers(_native, BUILD_INFO)
 _cuda.configure_transport(_native, BUILD_INFO)
 _cuda.select_device(MPI.COMM_WORLD)
+_cpu.partition_cores(MPI.COMM_WORLD)
 
 
 # ---------------------------------------------------------------------------

@@ -8,6 +8,8 @@ most n ranks.
 
 from __future__ import annotations
 
+import re
+
 import jax
 
 jax.config.update("jax_enable_x64", True)
@@ -76,6 +78,27 @@ def assert_matches_reference(local, reference, comm, *, rtol=1e-12, atol=1e-12, 
     everyone = gather_global(local, comm)
     expected = reference(everyone) if callable(reference) else np.asarray(reference)
     np.testing.assert_allclose(everyone, expected, rtol=rtol, atol=atol, err_msg=err_msg)
+
+
+def failure_of(fn, pattern):
+    """"" when `fn()` raises an exception whose message matches `pattern`, else what went wrong.
+
+    For tests where only some ranks expect an error: each rank records its
+    outcome, then ``assert_no_failures`` compares them on every rank, so a
+    rank that did not raise cannot leave the others waiting in a collective.
+    """
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        return "" if re.search(pattern, str(error)) else f"raised {type(error).__name__}: {error}"
+    return f"did not raise (expected an error matching {pattern!r})"
+
+
+def assert_no_failures(failure, comm):
+    """Fail on every rank if any rank's ``failure_of`` outcome is a failure."""
+    everyone = comm.allgather(failure)
+    problems = {rank: what for rank, what in enumerate(everyone) if what}
+    assert not problems, f"per rank: {problems}"
 
 
 @pytest.fixture

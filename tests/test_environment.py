@@ -27,7 +27,7 @@ def test_environment_report_under_mpiexec():
     text = out.stdout
     for key in ["distlinalg:", "jax:", "jaxlib:", "mpi4py:", "numpy:", "MPI at run time:",
                 "MPI at build time:", "thread level:", "world size:     2", "CUDA handlers:",
-                "MPI CUDA-aware:", "GPU transport:", "GPU device:"]:
+                "MPI CUDA-aware:", "GPU transport:", "GPU device:", "CPU affinity:"]:
         assert key in text, (key, text)
     assert "rank 0 of 2" in text and "rank 1 of 2" in text
 

@@ -1,0 +1,113 @@
+"""CPU placement: each rank on a node gets its own share of the node's cores.
+
+XLA's CPU client sizes its intra-op thread pool by the CPUs the process may
+run on. When R ranks share a node and the launcher did not bind them
+(MPICH's ``mpiexec`` does not by default), every rank starts a pool as large
+as the node, and R pools then compete for the same cores, while a rank that
+waits in MPI busy-polls a core another rank's pool needs. On a 2-core
+machine this made a 2-rank Gram matvec 1.5 ms instead of 1.0 ms
+(``benchmarks/bench_operators.py``).
+
+``DISTLINALG_CPU_AFFINITY``:
+  ``auto`` (default): give node-local rank i the i-th contiguous block of the
+  node's CPUs, for every thread of the process, when all of these hold:
+  several ranks share the node, they all see the same CPU set (so the
+  launcher did not bind them), that set has at least one CPU per rank (an
+  oversubscribed node is left to the OS scheduler), and JAX's backend has
+  not started (its thread pool is sized when it starts).
+  ``none``: leave the affinity alone.
+
+Runs once, at import, on every rank (``distlinalg._mpi`` calls it after MPI
+is initialised); what was decided is in ``STATE`` for ``python -m distlinalg``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import _compat
+
+STATE: dict[str, str] = {}
+
+
+def share_of(cpus: list[int], local_rank: int, local_size: int) -> list[int]:
+    """The contiguous block of `cpus` (sorted) for `local_rank` of `local_size`.
+
+    Blocks differ in size by at most one CPU; contiguous ids keep a rank's
+    CPUs on one socket and, where SMT siblings are numbered apart (as Linux
+    usually numbers them), on distinct physical cores.
+    """
+    if not 0 <= local_rank < local_size <= len(cpus):
+        raise ValueError(f"cannot share {len(cpus)} CPUs among {local_size} ranks (rank {local_rank})")
+    base, extra = divmod(len(cpus), local_size)
+    start = local_rank * base + min(local_rank, extra)
+    return sorted(cpus)[start : start + base + (local_rank < extra)]
+
+
+def _restrict_all_threads(cpus: list[int]) -> None:
+    # sched_setaffinity(0, ...) only moves the calling thread; threads that
+    # already exist (BLAS pools started by numpy, MPI progress threads) keep
+    # the old mask unless each is moved.
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except (ProcessLookupError, PermissionError):
+            continue  # a thread that ended meanwhile, or one we may not move
+
+
+def partition_cores(world: Any) -> str:
+    """Apply ``DISTLINALG_CPU_AFFINITY`` (see the module docstring); returns what was done.
+
+    Collective over `world`: the node split and the allgather of CPU sets run
+    on every rank whatever the outcome, so ranks never disagree about taking
+    part.
+    """
+    from mpi4py import MPI
+
+    choice = os.environ.get("DISTLINALG_CPU_AFFINITY", "auto").strip().lower() or "auto"
+    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    try:
+        local_rank, local_size = local.Get_rank(), local.Get_size()
+        try:
+            mine = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            mine = []
+        everyone = local.allgather(mine)
+    finally:
+        local.Free()
+    if choice not in ("auto", "none", "off", "0"):
+        raise ValueError(f"DISTLINALG_CPU_AFFINITY must be auto or none, not {choice!r}")
+    if choice != "auto":
+        result = "left alone (DISTLINALG_CPU_AFFINITY=none)"
+    elif not mine:
+        result = "left alone (this OS does not report CPU affinity)"
+    elif local_size == 1:
+        result = f"left alone (one rank on this node, {len(mine)} CPU(s))"
+    elif any(cpus != mine for cpus in everyone):
+        result = f"left alone (the launcher bound the ranks: CPUs {_ranges(mine)})"
+    elif len(mine) < local_size:
+        result = f"left alone ({local_size} ranks share {len(mine)} CPU(s) on this node: oversubscribed)"
+    elif _compat.backends_started():
+        result = "left alone (JAX's backend started before distlinalg was imported)"
+    else:
+        share = share_of(mine, local_rank, local_size)
+        _restrict_all_threads(share)
+        result = f"CPUs {_ranges(share)} (node-local rank {local_rank} of {local_size}, {len(mine)} CPUs)"
+    STATE["affinity"] = result
+    return result
+
+
+def _ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    parts: list[str] = []
+    for cpu in sorted(cpus):
+        if parts and cpu == int(parts[-1].split("-")[-1]) + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{cpu}"
+        else:
+            parts.append(str(cpu))
+    return ",".join(parts)
