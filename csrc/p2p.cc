@@ -1,7 +1,8 @@
-// XLA FFI handlers of point-to-point communication. A receive starts from a
-// copy of its template operand (or from the template itself where XLA hands
-// the same buffer back), so a receive from MPI_PROC_NULL returns the
-// template unchanged (MPI would leave it untouched).
+// XLA FFI handlers of point-to-point communication. A receive's result is
+// its template overwritten by the message: bytes the message does not reach
+// (all of them for a receive from MPI_PROC_NULL) keep the template's values.
+#include <algorithm>
+
 #include "handlers.h"
 
 namespace distlinalg {
@@ -14,9 +15,29 @@ ffi::Error CheckTypes(const char* op, TypeInfo a, ffi::DataType da) {
                         " does not support dtype " + DtypeName(da));
 }
 
-ffi::Error CopyIfDistinct(ffi::AnyBuffer from,
-                          ffi::Result<ffi::AnyBuffer>& to) {
-  return CopyBytes(to->untyped_data(), from.untyped_data(), from.size_bytes());
+// A receive leaves y's bytes beyond the message (all of them for
+// MPI_PROC_NULL) untouched, and they must hold the template's values. Copying
+// only those bytes, after the receive, spares a full copy of the template per
+// call when the message fills y, which is the usual case.
+ffi::Error KeepTemplateBeyondMessage(const char* op, const MPI_Status& status,
+                                     const BlockType& block, TypeInfo ti,
+                                     ffi::AnyBuffer templ,
+                                     ffi::Result<ffi::AnyBuffer>& y) {
+  if (templ.untyped_data() == y->untyped_data()) return ffi::Error::Success();
+  MPI_Count elements = 0;
+  DL_MPI_CHECK(op, MPI_Get_elements_x(&status, block.type(), &elements));
+  // MPI counts basic elements; float16 and bfloat16 are built from bytes.
+  const ffi::DataType dtype = templ.element_type();
+  const size_t basic = (dtype == ffi::DataType::F16 || dtype == ffi::DataType::BF16)
+                           ? 1
+                           : ti.itemsize;
+  const size_t total = templ.size_bytes();
+  const size_t received =
+      elements <= 0 ? 0 : std::min(total, static_cast<size_t>(elements) * basic);
+  if (received == total) return ffi::Error::Success();
+  return CopyBytes(static_cast<char*>(y->untyped_data()) + received,
+                   static_cast<const char*>(templ.untyped_data()) + received,
+                   total - received);
 }
 
 }  // namespace
@@ -56,13 +77,12 @@ ffi::Error RecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::Result<ffi::Token>,
     if (e.failure()) return e;
   }
   CallLog log("recv", comm, y->element_type(), n);
-  DL_CHECK(CopyIfDistinct(templ, y));
   BlockType block;
   DL_MPI_CHECK("recv", block.Init(n, ti.type));
+  MPI_Status status;
   DL_MPI_CHECK("recv", MPI_Recv(y->untyped_data(), block.count(),
-                                block.type(), source, tag, comm,
-                                MPI_STATUS_IGNORE));
-  return ffi::Error::Success();
+                                block.type(), source, tag, comm, &status));
+  return KeepTemplateBeyondMessage("recv", status, block, ti, templ, y);
 }
 
 ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
@@ -89,16 +109,16 @@ ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
     if (e.failure()) return e;
   }
   CallLog log("sendrecv", comm, sendbuf.element_type(), ns);
-  DL_CHECK(CopyIfDistinct(recvbuf, y));
   BlockType sblock, rblock;
   DL_MPI_CHECK("sendrecv", sblock.Init(ns, st.type));
   DL_MPI_CHECK("sendrecv", rblock.Init(nr, rt.type));
+  MPI_Status status;
   DL_MPI_CHECK("sendrecv",
                MPI_Sendrecv(sendbuf.untyped_data(), sblock.count(),
                             sblock.type(), dest, sendtag, y->untyped_data(),
                             rblock.count(), rblock.type(), source, recvtag,
-                            comm, MPI_STATUS_IGNORE));
-  return ffi::Error::Success();
+                            comm, &status));
+  return KeepTemplateBeyondMessage("sendrecv", status, rblock, rt, recvbuf, y);
 }
 
 }  // namespace distlinalg

@@ -85,6 +85,33 @@ def test_proc_null_chain(comm, rank, size):
     assert_in_step(comm)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.complex128, jnp.float16, jnp.int32])
+def test_shorter_message_keeps_the_template_tail(comm, rank, size, dtype):
+    """A message shorter than the template fills its head; the rest keeps the template's values."""
+    left, right = chain_neighbours(rank, size)
+    x = jnp.asarray(np.arange(3) + 10 * rank).astype(dtype)
+    template = jnp.asarray(-1 - np.arange(5)).astype(dtype)
+    expected = np.asarray(template).copy()
+    if left != PROC_NULL:
+        expected[:3] = np.arange(3) + 10 * left
+    failures = []
+    for fn in (lambda a, t: sendrecv(a, t, left, right, comm=comm),
+               jax.jit(lambda a, t: sendrecv(a, t, left, right, comm=comm))):
+        got = np.asarray(fn(x, template))
+        if not np.array_equal(got, expected):
+            failures.append(f"sendrecv gave {got}, expected {expected}")
+    # recv: the chain again, in send/recv pairs (even ranks send first).
+    if rank % 2 == 0:
+        send(x, right, tag=4, comm=comm)
+        got = recv(template, left, tag=4, comm=comm)
+    else:
+        got = jax.jit(lambda t: recv(t, left, tag=4, comm=comm))(template)
+        send(x, right, tag=4, comm=comm)
+    if not np.array_equal(np.asarray(got), expected):
+        failures.append(f"recv gave {got}, expected {expected}")
+    assert_no_failures("; ".join(failures), comm)
+
+
 def test_send_recv_pair(comm, rank, size):
     if size < 2:
         np.testing.assert_array_equal(recv(jnp.ones(2), PROC_NULL, comm=comm), np.ones(2))
