@@ -48,7 +48,7 @@ OUT = ROOT / "build" / "bench"
 PLOTS = HERE / "plots"
 RESULTS = HERE / "results.md"
 CORES = os.cpu_count() or 1
-BENCHES = ("collectives", "ad", "krylov", "sr")
+BENCHES = ("collectives", "ad", "krylov", "sr", "operators")
 
 
 def log(msg: str) -> None:
@@ -85,9 +85,17 @@ class Runner:
     def run(self, nprocs: int, script: str, args: list[str], json_path: Path, env: dict | None = None,
             timeout: float | None = None) -> dict:
         """One mpiexec run; its JSON, or {"skipped": reason} when it fails."""
-        json_path.unlink(missing_ok=True)
         cmd = self.mpiexec + ["-n", str(nprocs), str(self.python), str(HERE / script), *args,
                               "--json", str(json_path)]
+        return self.execute(cmd, json_path, env, timeout)
+
+    def run_driver(self, script: str, args: list[str], json_path: Path, timeout: float | None = None) -> dict:
+        """A benchmark that launches its own mpiexec runs (e.g. 1 and R ranks to compare)."""
+        cmd = [str(self.python), str(HERE / script), *args, "--json", str(json_path)]
+        return self.execute(cmd, json_path, None, timeout)
+
+    def execute(self, cmd: list[str], json_path: Path, env: dict | None, timeout: float | None) -> dict:
+        json_path.unlink(missing_ok=True)
         shown = " ".join(shlex.quote(str(c)).replace(str(ROOT) + "/", "") for c in cmd)
         self.commands.append(shown)
         log(f"$ {shown}")
@@ -219,6 +227,11 @@ def run_benchmarks(args, res: dict, save) -> dict:
             else:
                 nk[str(nprocs)] = {"skipped": f"NetKet not installed: {peer_status['netket'][1]}"}
         done("sr")
+
+    if "operators" in args.only:
+        res["operators"] = project.run_driver("bench_operators.py", ["--quick"] if q else [],
+                                              out / "operators.json", timeout=1800)
+        done("operators")
     return res
 
 
@@ -546,6 +559,36 @@ def plot_sr(sr, nk):
     return str(path)
 
 
+def operators_section(op: dict, lines: list[str]) -> None:
+    lines += ["## 6. Operators: Gram matvec and sparse_rows matvec, several ranks vs one process", ""]
+    if failed(op):
+        lines += [f"Not measured: {failed(op)}", ""]
+        return
+    one, share, many = op["one"], op["one_share"], op["many"]
+    cpus, ranks = many["cpus_per_rank"], many["ranks"]
+    gram = f"RBM {one['gram']['params']} params, {one['gram']['samples']} samples"
+    lines += [
+        f"XLA runs one process on every core it may use, so the issue's target (Gram matvec on {ranks} ranks "
+        f"≤ 0.6× one process) is measured at equal cores per process: the one-process peer restricted to "
+        f"{cpus} CPU(s), the share distlinalg gives each of the {ranks} ranks (distlinalg/_cpu.py). "
+        f"The one-process run on the whole node ({len(one['cpus'])} CPUs) is shown too.", "",
+        "| case | one process | distributed | ratio | target |",
+        "|---|---|---|---|---|",
+        f"| Gram matvec, {gram}, {cpus} CPU(s) per process | {share['gram']['ms_per_matvec']:.2f} ms | "
+        f"{many['gram']['ms_per_matvec']:.2f} ms ({ranks} ranks) | {op['gram_ratio']:.2f} | ≤ 0.6 |",
+        f"| same, one process on the whole node | {one['gram']['ms_per_matvec']:.2f} ms | "
+        f"{many['gram']['ms_per_matvec']:.2f} ms ({ranks} ranks) | "
+        f"{many['gram']['ms_per_matvec'] / one['gram']['ms_per_matvec']:.2f} | |",
+        f"| sparse_rows, Poisson {one['sparse']['rows']} rows, 1 rank, ns/row vs scipy CSR | "
+        f"{one['scipy_csr']['ns_per_row']:.2f} (scipy) | {one['sparse']['ns_per_row']:.2f} | "
+        f"{op['sparse_ratio']:.2f} | ≤ 1.5 |",
+        f"| sparse_rows, {ranks} ranks vs 1 rank (halo by alltoall) | {one['sparse']['ms_per_matvec']:.2f} ms | "
+        f"{many['sparse']['ms_per_matvec']:.2f} ms | "
+        f"{many['sparse']['ms_per_matvec'] / one['sparse']['ms_per_matvec']:.2f} | |",
+        "",
+    ]
+
+
 def summary(res: dict) -> list[str]:
     """A few headline ratios."""
     out = []
@@ -564,6 +607,10 @@ def summary(res: dict) -> list[str]:
         out.append("Poisson CG, 2 ranks: distlinalg / jax.scipy (1 process) = "
                    + ratio(kr["results"]["distlinalg-cg"]["seconds_per_iteration"],
                            kr["results"]["jax-scipy-cg"]["seconds_per_iteration"]))
+    op = res.get("operators", {})
+    if "gram_ratio" in op:
+        out.append(f"Gram matvec, {op['many']['ranks']} ranks / one process at equal cores per process = "
+                   f"{op['gram_ratio']:.2f} (target ≤ 0.6)")
     ad = res.get("ad", {}).get("results", {})
     for name, r in ad.items():
         out.append(f"AD {name}: grad/forward {r['ratio']:.2f} vs peer {r['peer_ratio']:.2f}")
@@ -616,6 +663,8 @@ def write_report(res: dict, meta: dict) -> None:
         sr_section(res, lines, plots)
     if "krylov" in res or "sr" in res:
         scaling_section(res, lines, plots)
+    if "operators" in res:
+        operators_section(res["operators"], lines)
     lines += ["## Commands", "", "Each table's mpiexec runs (load average at the start → end of the run):", "",
               "```"] + [f"{cmd}    # load {load}" for cmd, load in commands(res)] + ["```", ""]
     RESULTS.write_text("\n".join(lines))
