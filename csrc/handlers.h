@@ -13,16 +13,23 @@
 #define DL_DECLARE(name) XLA_FFI_DECLARE_HANDLER_SYMBOL(name)
 #endif
 
-DL_DECLARE(DlAllreduce);
-DL_DECLARE(DlReduce);
-DL_DECLARE(DlBcast);
-DL_DECLARE(DlGather);
-DL_DECLARE(DlScatter);
-DL_DECLARE(DlAllgather);
-DL_DECLARE(DlReduceScatter);
-DL_DECLARE(DlAlltoall);
-DL_DECLARE(DlScan);
-DL_DECLARE(DlBarrier);
-DL_DECLARE(DlSend);
-DL_DECLARE(DlRecv);
-DL_DECLARE(DlSendrecv);
+// Every handler: (FFI target name, handler symbol). The one list: the
+// declarations below and the registrations in module.cc expand it.
+#define DL_FOR_EACH_HANDLER(X)                    \
+  X("distlinalg_allreduce", DlAllreduce)          \
+  X("distlinalg_reduce", DlReduce)                \
+  X("distlinalg_bcast", DlBcast)                  \
+  X("distlinalg_gather", DlGather)                \
+  X("distlinalg_scatter", DlScatter)              \
+  X("distlinalg_allgather", DlAllgather)          \
+  X("distlinalg_reduce_scatter", DlReduceScatter) \
+  X("distlinalg_alltoall", DlAlltoall)            \
+  X("distlinalg_scan", DlScan)                    \
+  X("distlinalg_barrier", DlBarrier)              \
+  X("distlinalg_send", DlSend)                    \
+  X("distlinalg_recv", DlRecv)                    \
+  X("distlinalg_sendrecv", DlSendrecv)
+
+#define DL_DECLARE_ENTRY(name, symbol) DL_DECLARE(symbol);
+DL_FOR_EACH_HANDLER(DL_DECLARE_ENTRY)
+#undef DL_DECLARE_ENTRY

@@ -54,21 +54,7 @@ std::string RuntimeLibraryVersion() {
 #define DL_VARIANT(symbol, variant) Capsule(symbol)
 #endif
 
-// Every handler: (FFI target name, handler symbol).
-#define DL_FOR_EACH_HANDLER(X)                    \
-  X("distlinalg_allreduce", DlAllreduce)          \
-  X("distlinalg_reduce", DlReduce)                \
-  X("distlinalg_bcast", DlBcast)                  \
-  X("distlinalg_gather", DlGather)                \
-  X("distlinalg_scatter", DlScatter)              \
-  X("distlinalg_allgather", DlAllgather)          \
-  X("distlinalg_reduce_scatter", DlReduceScatter) \
-  X("distlinalg_alltoall", DlAlltoall)            \
-  X("distlinalg_scan", DlScan)                    \
-  X("distlinalg_barrier", DlBarrier)              \
-  X("distlinalg_send", DlSend)                    \
-  X("distlinalg_recv", DlRecv)                    \
-  X("distlinalg_sendrecv", DlSendrecv)
+// DL_FOR_EACH_HANDLER (handlers.h) lists every handler.
 
 nb::dict Registrations(const std::string& variant) {
   nb::dict d;
