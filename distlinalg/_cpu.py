@@ -60,26 +60,21 @@ def _restrict_all_threads(cpus: list[int]) -> None:
             continue  # a thread that ended meanwhile, or one we may not move
 
 
-def partition_cores(world: Any) -> str:
+def partition_cores(node: Any) -> str:
     """Apply ``DISTLINALG_CPU_AFFINITY`` (see the module docstring); returns what was done.
 
-    Collective over `world`: the node split and the allgather of CPU sets run
-    on every rank whatever the outcome, so ranks never disagree about taking
-    part.
+    `node`: the ranks sharing this node (an ``MPI_COMM_TYPE_SHARED`` split,
+    made once at import by ``distlinalg._mpi``). Collective over `node`: the
+    CPU sets are exchanged on every rank whatever the outcome, so ranks never
+    disagree about taking part, and a bad setting fails on all of them.
     """
-    from mpi4py import MPI
-
     choice = os.environ.get("DISTLINALG_CPU_AFFINITY", "auto").strip().lower() or "auto"
-    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    local_rank, local_size = node.Get_rank(), node.Get_size()
     try:
-        local_rank, local_size = local.Get_rank(), local.Get_size()
-        try:
-            mine = sorted(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            mine = []
-        everyone = local.allgather(mine)
-    finally:
-        local.Free()
+        mine = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        mine = []
+    everyone = node.allgather(mine)
     if choice not in ("auto", "none", "off", "0"):
         raise ValueError(f"DISTLINALG_CPU_AFFINITY must be auto or none, not {choice!r}")
     if choice != "auto":

@@ -137,29 +137,18 @@ def visible_gpu_count() -> int:
         return 0
 
 
-def node_local_rank(world: Any) -> tuple[int, int]:
-    """(rank, size) within this node: an MPI_COMM_TYPE_SHARED split of `world`."""
-    from mpi4py import MPI
-
-    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
-    try:
-        return local.Get_rank(), local.Get_size()
-    finally:
-        local.Free()
-
-
 def _wants_cuda(platforms: str) -> bool:
     names = [p.strip() for p in platforms.split(",") if p.strip()]
     return not names or any(p in ("cuda", "gpu") for p in names)
 
 
-def select_device(world: Any) -> str:
+def select_device(node: Any) -> str:
     """Restrict JAX to this rank's GPU (see the module docstring); returns what was done.
 
-    Collective over `world` (the node split runs on every rank whatever the
-    outcome, so ranks never disagree about taking part).
+    `node`: the ranks sharing this node (an ``MPI_COMM_TYPE_SHARED`` split,
+    made once at import by ``distlinalg._mpi``). Nothing here communicates.
     """
-    local_rank, local_size = node_local_rank(world)
+    local_rank, local_size = node.Get_rank(), node.Get_size()
     choice = _env("DISTLINALG_GPU_DEVICE", "local-rank")
     index = None
     if choice not in ("local-rank", "none", "off", "all"):

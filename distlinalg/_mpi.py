@@ -156,8 +156,13 @@ for _name, _capsule in _native.registrations(_cuda.cpu_variant(BUILD_INFO)).item
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 _cuda.register_handlers(_native, BUILD_INFO)
 _cuda.configure_transport(_native, BUILD_INFO)
-_cuda.select_device(MPI.COMM_WORLD)
-_cpu.partition_cores(MPI.COMM_WORLD)
+# Placement needs the ranks sharing this node: one split serves both.
+_node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=MPI.COMM_WORLD.Get_rank())
+try:
+    _cuda.select_device(_node)
+    _cpu.partition_cores(_node)
+finally:
+    _node.Free()
 
 
 # ---------------------------------------------------------------------------

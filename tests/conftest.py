@@ -48,6 +48,14 @@ def comm():
 
 
 @pytest.fixture
+def node(comm):
+    """The ranks sharing this node (an MPI_COMM_TYPE_SHARED split of `comm`; freed afterwards)."""
+    c = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    yield c
+    c.Free()
+
+
+@pytest.fixture
 def rank(comm):
     return comm.Get_rank()
 

@@ -73,9 +73,9 @@ def pretend_node(monkeypatch):
     _cpu.STATE.update(saved)
 
 
-def test_unbound_ranks_get_their_block(pretend_node, comm):
+def test_unbound_ranks_get_their_block(pretend_node, comm, node):
     moves = pretend_node(lambda rank: range(8, 16))
-    result = _cpu.partition_cores(comm)
+    result = _cpu.partition_cores(node)
     local_rank, local_size, _ = node_split(comm)
     if local_size == 1:
         assert "one rank on this node" in result and moves == []
@@ -90,15 +90,15 @@ def test_unbound_ranks_get_their_block(pretend_node, comm):
     assert sum(blocks, []) == list(range(8, 16))
 
 
-def test_bound_or_oversubscribed_or_started_nodes_are_left_alone(pretend_node, comm, monkeypatch):
+def test_bound_or_oversubscribed_or_started_nodes_are_left_alone(pretend_node, comm, node, monkeypatch):
     _, local_size, _ = node_split(comm)
     moves = pretend_node(lambda rank: [rank])  # as if the launcher bound each rank to a core
-    bound = _cpu.partition_cores(comm)
+    bound = _cpu.partition_cores(node)
     moves = pretend_node(lambda rank: [0])  # every rank on one CPU
-    oversubscribed = _cpu.partition_cores(comm)
+    oversubscribed = _cpu.partition_cores(node)
     pretend_node(lambda rank: range(4))
     monkeypatch.setattr(_compat, "backends_started", lambda: True)
-    started = _cpu.partition_cores(comm)
+    started = _cpu.partition_cores(node)
     assert moves == []
     if local_size == 1:
         assert all("one rank on this node" in r for r in (bound, oversubscribed, started))
@@ -108,14 +108,14 @@ def test_bound_or_oversubscribed_or_started_nodes_are_left_alone(pretend_node, c
         assert "backend started" in started
 
 
-def test_opt_out_and_bad_setting(pretend_node, comm, monkeypatch):
+def test_opt_out_and_bad_setting(pretend_node, comm, node, monkeypatch):
     moves = pretend_node(lambda rank: range(8))
     monkeypatch.setenv("DISTLINALG_CPU_AFFINITY", "none")
-    assert "DISTLINALG_CPU_AFFINITY=none" in _cpu.partition_cores(comm)
+    assert "DISTLINALG_CPU_AFFINITY=none" in _cpu.partition_cores(node)
     monkeypatch.setenv("DISTLINALG_CPU_AFFINITY", "spread")
     # Raised after the node split, on every rank alike.
     with pytest.raises(ValueError, match="DISTLINALG_CPU_AFFINITY must be auto or none, not 'spread'"):
-        _cpu.partition_cores(comm)
+        _cpu.partition_cores(node)
     assert moves == []
 
 

@@ -127,37 +127,37 @@ def pretend_cuda_jax(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 4])
-def test_each_rank_takes_its_node_local_gpu(pretend_cuda_jax, monkeypatch, comm, gpus):
+def test_each_rank_takes_its_node_local_gpu(pretend_cuda_jax, monkeypatch, comm, gpus, node):
     monkeypatch.setenv("DISTLINALG_STUB_GPUS", str(gpus))
     monkeypatch.delenv("DISTLINALG_GPU_DEVICE", raising=False)
-    _cuda.select_device(comm)
+    _cuda.select_device(node)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     expected = local.Get_rank() % gpus
     local.Free()
     assert_matches_reference(int(pretend_cuda_jax[0]), np.array(comm.allgather(expected)), comm)
 
 
-def test_gpu_device_override_and_opt_out(pretend_cuda_jax, monkeypatch, comm):
+def test_gpu_device_override_and_opt_out(pretend_cuda_jax, monkeypatch, comm, node):
     monkeypatch.setenv("DISTLINALG_STUB_GPUS", "2")
     monkeypatch.setenv("DISTLINALG_GPU_DEVICE", "1")
-    _cuda.select_device(comm)
+    _cuda.select_device(node)
     monkeypatch.setenv("DISTLINALG_GPU_DEVICE", "none")
-    assert "left to JAX" in _cuda.select_device(comm)
+    assert "left to JAX" in _cuda.select_device(node)
     assert pretend_cuda_jax == ["1"]
 
 
 @pytest.mark.parametrize("value", ["third", "-1", "5"])
-def test_bad_gpu_device_setting_is_an_error(pretend_cuda_jax, monkeypatch, comm, value):
+def test_bad_gpu_device_setting_is_an_error(pretend_cuda_jax, monkeypatch, comm, value, node):
     monkeypatch.setenv("DISTLINALG_STUB_GPUS", "2")
     monkeypatch.setenv("DISTLINALG_GPU_DEVICE", value)
     with pytest.raises(ValueError, match="DISTLINALG_GPU_DEVICE"):
-        _cuda.select_device(comm)
+        _cuda.select_device(node)
 
 
-def test_device_selection_leaves_a_started_backend_alone(pretend_cuda_jax, monkeypatch, comm):
+def test_device_selection_leaves_a_started_backend_alone(pretend_cuda_jax, monkeypatch, comm, node):
     monkeypatch.setenv("DISTLINALG_STUB_GPUS", "2")
     monkeypatch.setattr(_compat, "backends_started", lambda: True)
-    assert "unchanged" in _cuda.select_device(comm)
+    assert "unchanged" in _cuda.select_device(node)
     assert pretend_cuda_jax == []
 
 
