@@ -2,6 +2,7 @@
 // the reduction op, root and communicator arrive as attributes, the dtype from
 // the buffer. Each handler takes and returns the ordering token JAX threads
 // through the program, and hands XLA's buffers to MPI directly.
+#include "checks.h"
 #include "handlers.h"
 
 namespace distlinalg {
@@ -43,17 +44,17 @@ char* Bytes(ffi::Result<ffi::AnyBuffer>& b) {
   return static_cast<char*>(b->untyped_data());
 }
 
-#define DL_PREAMBLE(NAME, dtype, count, root)                            \
-  MpiLock dl_lock_;                                                      \
-  MPI_Comm comm = CommFromHandle(comm_handle);                           \
-  TypeInfo ti = MpiType(dtype);                                          \
-  if (!ti.ok) return Unsupported(NAME, dtype);                           \
-  if (GlobalSettings().check_signatures) {                               \
-    ffi::Error dl_err_ =                                                 \
-        CheckCollectiveSignature(NAME, comm, dtype, count, root);        \
-    if (dl_err_.failure()) return dl_err_;                               \
-  }                                                                      \
-  CallLog dl_log_(NAME, comm, dtype, count)
+// Every handler starts here: the MPI lock, the record of the call in
+// progress (watchdog, debug log), then the cross-rank signature check
+// (checks.h), which is a hash-map lookup in steady state.
+#define DL_PREAMBLE(NAME, dtype, count, root, SIGNATURE)         \
+  MpiLock dl_lock_;                                              \
+  DL_CHECK(CheckNotFinalized(NAME));                             \
+  MPI_Comm comm = CommFromHandle(comm_handle);                   \
+  TypeInfo ti = MpiType(dtype);                                  \
+  if (!ti.ok) return Unsupported(NAME, dtype);                   \
+  CallRecord dl_record_(NAME, comm, dtype, count, root);         \
+  DL_CHECKED_CALL(dl_record_, SIGNATURE, CheckCollective(dl_sig_, comm))
 
 MPI_Op CheckedOp(int32_t op, ffi::DataType dtype) {
   return MpiOp(static_cast<ReduceOp>(op), dtype);
@@ -71,9 +72,10 @@ ffi::Error BadOp(const char* name, int32_t op, ffi::DataType dtype) {
 // ---------------------------------------------------------------------------
 ffi::Error AllreduceImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                          ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
-                         int32_t op) {
+                         int32_t op,
+                         ffi::RunId run, int64_t site) {
   const int64_t n = x.element_count();
-  DL_PREAMBLE("allreduce", x.element_type(), n, -1);
+  DL_PREAMBLE("allreduce", x.element_type(), n, -1, Signature("allreduce").Buffer(x).Op(op));
   MPI_Op mop = CheckedOp(op, x.element_type());
   if (mop == MPI_OP_NULL) return BadOp("allreduce", op, x.element_type());
   char* in = Bytes(x);
@@ -92,9 +94,11 @@ ffi::Error AllreduceImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
 // Result on root; zeros elsewhere (MPI leaves non-root buffers undefined).
 ffi::Error ReduceImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                       ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
-                      int32_t op, int32_t root) {
+                      int32_t op, int32_t root,
+                         ffi::RunId run, int64_t site) {
   const int64_t n = x.element_count();
-  DL_PREAMBLE("reduce", x.element_type(), n, root);
+  DL_PREAMBLE("reduce", x.element_type(), n, root,
+              Signature("reduce").Buffer(x).Op(op).Root(root));
   MPI_Op mop = CheckedOp(op, x.element_type());
   if (mop == MPI_OP_NULL) return BadOp("reduce", op, x.element_type());
   const bool is_root = CommRank(comm) == root;
@@ -112,9 +116,10 @@ ffi::Error ReduceImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
 // Output aliases the input buffer (XLA copies only if the input lives on).
 ffi::Error BcastImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                      ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
-                     int32_t root) {
+                     int32_t root,
+                         ffi::RunId run, int64_t site) {
   const int64_t n = x.element_count();
-  DL_PREAMBLE("bcast", x.element_type(), n, root);
+  DL_PREAMBLE("bcast", x.element_type(), n, root, Signature("bcast").Buffer(x).Root(root));
   char* out = Bytes(y);
   if (CommRank(comm) == root && out != Bytes(x)) {
     DL_CHECK(CopyBytes(out, Bytes(x), n * ti.itemsize));
@@ -129,9 +134,10 @@ ffi::Error BcastImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
 // x: s on every rank; y: (size, *s), filled on root, zeros elsewhere.
 ffi::Error GatherImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                       ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
-                      int32_t root) {
+                      int32_t root,
+                         ffi::RunId run, int64_t site) {
   const int64_t n = x.element_count();
-  DL_PREAMBLE("gather", x.element_type(), n, root);
+  DL_PREAMBLE("gather", x.element_type(), n, root, Signature("gather").Buffer(x).Root(root));
   const bool is_root = CommRank(comm) == root;
   char* out = Bytes(y);
   if (!is_root) DL_CHECK(ZeroBytes(out, y->element_count() * ti.itemsize));
@@ -147,9 +153,10 @@ ffi::Error GatherImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
 // x: (size, *s), significant on root only; y: s.
 ffi::Error ScatterImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
-                       int32_t root) {
+                       int32_t root,
+                         ffi::RunId run, int64_t site) {
   const int64_t n = y->element_count();
-  DL_PREAMBLE("scatter", x.element_type(), n, root);
+  DL_PREAMBLE("scatter", x.element_type(), n, root, Signature("scatter").Buffer(y).Root(root));
   const bool is_root = CommRank(comm) == root;
   BlockType block;
   DL_MPI_CHECK("scatter", block.Init(n, ti.type));
@@ -162,9 +169,10 @@ ffi::Error ScatterImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
 
 // x: s; y: (size, *s).
 ffi::Error AllgatherImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle) {
+                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
+                         ffi::RunId run, int64_t site) {
   const int64_t n = x.element_count();
-  DL_PREAMBLE("allgather", x.element_type(), n, -1);
+  DL_PREAMBLE("allgather", x.element_type(), n, -1, Signature("allgather").Buffer(x));
   BlockType block;
   DL_MPI_CHECK("allgather", block.Init(n, ti.type));
   DL_MPI_CHECK("allgather",
@@ -177,9 +185,11 @@ ffi::Error AllgatherImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
 ffi::Error ReduceScatterImpl(ffi::Token, ffi::AnyBuffer x,
                              ffi::Result<ffi::Token>,
                              ffi::Result<ffi::AnyBuffer> y,
-                             int64_t comm_handle, int32_t op) {
+                             int64_t comm_handle, int32_t op,
+                         ffi::RunId run, int64_t site) {
   const int64_t n = y->element_count();
-  DL_PREAMBLE("reduce_scatter", x.element_type(), n, -1);
+  DL_PREAMBLE("reduce_scatter", x.element_type(), n, -1,
+              Signature("reduce_scatter").Buffer(x).Op(op));
   MPI_Op mop = CheckedOp(op, x.element_type());
   if (mop == MPI_OP_NULL) return BadOp("reduce_scatter", op, x.element_type());
   if (n <= GlobalSettings().max_count) {
@@ -206,14 +216,15 @@ ffi::Error ReduceScatterImpl(ffi::Token, ffi::AnyBuffer x,
 
 // x, y: (size, *s); block r of x goes to rank r.
 ffi::Error AlltoallImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
-                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle) {
+                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
+                         ffi::RunId run, int64_t site) {
   const int size = [&] {
     int s = 0;
     MPI_Comm_size(CommFromHandle(comm_handle), &s);
     return s;
   }();
   const int64_t n = x.element_count() / size;
-  DL_PREAMBLE("alltoall", x.element_type(), n, -1);
+  DL_PREAMBLE("alltoall", x.element_type(), n, -1, Signature("alltoall").Buffer(x));
   BlockType block;
   DL_MPI_CHECK("alltoall", block.Init(n, ti.type));
   DL_MPI_CHECK("alltoall",
@@ -227,9 +238,11 @@ ffi::Error AlltoallImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
 // the op's identity.
 ffi::Error ScanImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                     ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
-                    int32_t op, bool exclusive) {
+                    int32_t op, bool exclusive,
+                         ffi::RunId run, int64_t site) {
   const int64_t n = x.element_count();
-  DL_PREAMBLE(exclusive ? "exscan" : "scan", x.element_type(), n, -1);
+  DL_PREAMBLE(exclusive ? "exscan" : "scan", x.element_type(), n, -1,
+              Signature(exclusive ? "exscan" : "scan").Buffer(x).Op(op));
   MPI_Op mop = CheckedOp(op, x.element_type());
   if (mop == MPI_OP_NULL) return BadOp("scan", op, x.element_type());
   char* in = Bytes(x);
@@ -247,10 +260,13 @@ ffi::Error ScanImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
 }
 
 ffi::Error BarrierImpl(ffi::Token, ffi::Result<ffi::Token>,
-                       int64_t comm_handle) {
+                       int64_t comm_handle,
+                         ffi::RunId run, int64_t site) {
   MpiLock lock;
+  DL_CHECK(CheckNotFinalized("barrier"));
   MPI_Comm comm = CommFromHandle(comm_handle);
-  CallLog log("barrier", comm, ffi::DataType::TOKEN, 0);
+  CallRecord record("barrier", comm, ffi::DataType::TOKEN, 0);
+  DL_CHECKED_CALL(record, Signature("barrier"), CheckCollective(dl_sig_, comm));
   DL_MPI_CHECK("barrier", MPI_Barrier(comm));
   return ffi::Error::Success();
 }
@@ -266,16 +282,20 @@ namespace ffi = xla::ffi;
 #define DL_TOKEN_IN_OUT(binding) \
   binding.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Ret<ffi::Token>().Ret<ffi::AnyBuffer>()
 
-#define DL_ALLREDUCE(b) DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm").Attr<int32_t>("op")
-#define DL_REDUCE(b)                                                   \
-  DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm").Attr<int32_t>("op").Attr<int32_t>( \
-      "root")
-#define DL_ROOTED(b) DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm").Attr<int32_t>("root")
-#define DL_PLAIN(b) DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm")
-#define DL_SCAN(b)                                                     \
-  DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm").Attr<int32_t>("op").Attr<bool>( \
-      "exclusive")
-#define DL_BARRIER(b) b.Arg<ffi::Token>().Ret<ffi::Token>().Attr<int64_t>("comm")
+// Every binding ends with the call site (checks.h): XLA's run id and the
+// `site` attribute numbered by the lowering.
+#define DL_SITE(b) b.Ctx<ffi::RunId>().Attr<int64_t>("site")
+
+#define DL_ALLREDUCE(b) DL_SITE(DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm").Attr<int32_t>("op"))
+#define DL_REDUCE(b)                                                    \
+  DL_SITE(DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm").Attr<int32_t>("op").Attr<int32_t>( \
+      "root"))
+#define DL_ROOTED(b) DL_SITE(DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm").Attr<int32_t>("root"))
+#define DL_PLAIN(b) DL_SITE(DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm"))
+#define DL_SCAN(b)                                                      \
+  DL_SITE(DL_TOKEN_IN_OUT(b).Attr<int64_t>("comm").Attr<int32_t>("op").Attr<bool>( \
+      "exclusive"))
+#define DL_BARRIER(b) DL_SITE(b.Arg<ffi::Token>().Ret<ffi::Token>().Attr<int64_t>("comm"))
 
 DL_DEFINE_HANDLERS(DlAllreduce, dl::AllreduceImpl, DL_ALLREDUCE);
 DL_DEFINE_HANDLERS(DlReduce, dl::ReduceImpl, DL_REDUCE);

@@ -3,6 +3,10 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <chrono>
+
+#include "checks.h"
+
 #include "handlers.h"
 
 namespace nb = nanobind;
@@ -138,24 +142,109 @@ NB_MODULE(_native, m) {
 
   m.def(
       "configure",
-      [](bool debug_log, bool check_signatures, bool serialize,
-         int64_t max_count) {
+      [](bool debug_log, int check_mode, bool serialize, int64_t max_count) {
+        if (check_mode < 0 || check_mode > 2) {
+          throw nb::value_error("distlinalg: check_mode must be 0, 1 or 2");
+        }
         auto& s = dl::GlobalSettings();
         s.debug_log = debug_log;
-        s.check_signatures = check_signatures;
+        s.check_mode = check_mode;
         s.serialize = serialize;
         s.max_count = max_count;
       },
-      nb::arg("debug_log"), nb::arg("check_signatures"), nb::arg("serialize"),
+      nb::arg("debug_log"), nb::arg("check_mode"), nb::arg("serialize"),
       nb::arg("max_count"),
-      "Set the handlers' switches (see distlinalg._mpi.configure).");
+      "Set the handlers' switches (see distlinalg._mpi.configure). check_mode: "
+      "0 off, 1 first run of each call site (default), 2 every call.");
   m.def("settings", [] {
     const auto& s = dl::GlobalSettings();
     nb::dict d;
     d["debug_log"] = s.debug_log;
-    d["check_signatures"] = s.check_signatures;
+    d["check_mode"] = s.check_mode;
+    d["check_signatures"] = s.check_mode == 2;
     d["serialize"] = s.serialize;
     d["max_count"] = s.max_count;
     return d;
   });
+
+  m.def(
+      "current_calls",
+      [] {
+        nb::list calls;
+        const auto now = std::chrono::steady_clock::now();
+        for (const dl::ActiveCall& c : dl::CurrentCalls()) {
+          nb::dict d;
+          d["op"] = std::string(c.op);
+          d["dtype"] = std::string(c.dtype == xla::ffi::DataType::TOKEN
+                                       ? "-"
+                                       : dl::DtypeName(c.dtype));
+          d["count"] = c.count;
+          d["root"] = c.root;
+          d["comm"] = c.comm;
+          d["rank"] = c.rank;
+          d["phase"] = std::string(c.phase == dl::Phase::kChecking ? "checking" : "running");
+          d["checked"] = c.checked;
+          d["seconds"] =
+              std::chrono::duration<double>(now - c.start).count();
+          d["seq"] = c.seq;
+          calls.append(d);
+        }
+        return calls;
+      },
+      "The distlinalg MPI calls in progress on this process: a list of dicts "
+      "(op, dtype, count, root (peer for point-to-point; -1 none), comm, "
+      "rank, seconds since the call started, seq).");
+  m.def("calls_started", &dl::CallsStarted,
+        "How many distlinalg MPI calls this process has started.");
+  m.def(
+      "check_at_exit",
+      [](int64_t comm) {
+        std::string message;
+        {
+          nb::gil_scoped_release release;
+          message = dl::CheckAtExit(dl::CommFromHandle(comm));
+        }
+        return message;
+      },
+      nb::arg("comm"),
+      "The end-of-program signature check on `comm`: '' when every rank is "
+      "at its end too, else the error message.");
+  m.def(
+      "start_responder",
+      [](int64_t world) {
+        int rc;
+        {
+          nb::gil_scoped_release release;
+          rc = dl::StartResponder(dl::CommFromHandle(world));
+        }
+        if (rc != MPI_SUCCESS) {
+          throw std::runtime_error("distlinalg: could not start the responder: " +
+                                   dl::MpiErrorString(rc));
+        }
+      },
+      nb::arg("world"),
+      "Start the thread that answers other ranks' queries about this rank's "
+      "current call (collective over `world`; needs MPI_THREAD_MULTIPLE).");
+  m.def(
+      "stop_responder",
+      [] {
+        nb::gil_scoped_release release;
+        dl::StopResponder();
+      },
+      "Stop the responder thread (before MPI_Finalize).");
+  m.def(
+      "prepare_checks",
+      [](int64_t comm) {
+        int rc;
+        {
+          nb::gil_scoped_release release;
+          rc = dl::PrepareChecks(dl::CommFromHandle(comm));
+        }
+        if (rc != MPI_SUCCESS) {
+          throw std::runtime_error("distlinalg: could not create the check "
+                                   "communicator: " + dl::MpiErrorString(rc));
+        }
+      },
+      nb::arg("comm"),
+      "Create the private check communicator of `comm` (collective).");
 }

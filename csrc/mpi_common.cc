@@ -212,6 +212,32 @@ void InitHalfTypes() {
   });
 }
 
+// float32/float64 min and max: MPI's predefined MPI_MIN/MPI_MAX compare with
+// < and >, so whether a NaN survives depends on the order in which ranks are
+// combined (it differs between ranks and algorithms). These propagate NaN,
+// like jnp.minimum/jnp.maximum and the half-precision ops above.
+template <typename T, bool kMax>
+void NanExtremum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    const T x = a[i], y = b[i];
+    b[i] = (x != x) ? x : (y != y) ? y : (kMax ? (x > y ? x : y) : (x < y ? x : y));
+  }
+}
+
+// [min f32, max f32, min f64, max f64]
+MPI_Op float_ops[4] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+std::once_flag float_once;
+void InitFloatOps() {
+  std::call_once(float_once, [] {
+    MPI_Op_create(&NanExtremum<float, false>, 1, &float_ops[0]);
+    MPI_Op_create(&NanExtremum<float, true>, 1, &float_ops[1]);
+    MPI_Op_create(&NanExtremum<double, false>, 1, &float_ops[2]);
+    MPI_Op_create(&NanExtremum<double, true>, 1, &float_ops[3]);
+  });
+}
+
 }  // namespace
 
 TypeInfo MpiType(ffi::DataType dtype) {
@@ -242,6 +268,11 @@ MPI_Op MpiOp(ReduceOp op, ffi::DataType dtype) {
   if (dtype == DT::F16 || dtype == DT::BF16) {
     InitHalfTypes();
     return half_ops[static_cast<int>(op)];
+  }
+  if ((dtype == DT::F32 || dtype == DT::F64) &&
+      (op == ReduceOp::kMin || op == ReduceOp::kMax)) {
+    InitFloatOps();
+    return float_ops[(dtype == DT::F64 ? 2 : 0) + (op == ReduceOp::kMax ? 1 : 0)];
   }
   if (dtype == DT::PRED) {
     switch (op) {
@@ -320,102 +351,6 @@ int MakeContiguousType(int64_t count, MPI_Datatype base, MPI_Datatype* out) {
     if (rc != MPI_SUCCESS) return rc;
   }
   return MPI_Type_commit(out);
-}
-
-// ---------------------------------------------------------------------------
-namespace {
-
-int64_t OpId(const char* op) {
-  int64_t h = 1469598103934665603LL;  // FNV-1a
-  for (const char* c = op; *c; ++c) h = (h ^ *c) * 1099511628211LL;
-  return h;
-}
-
-std::string Describe(int64_t dtype, int64_t count) {
-  return std::string(DtypeName(static_cast<ffi::DataType>(dtype))) + "[" +
-         std::to_string(count) + " elements]";
-}
-
-}  // namespace
-
-ffi::Error CheckCollectiveSignature(const char* op, MPI_Comm comm,
-                                    ffi::DataType dtype, int64_t count,
-                                    int64_t root) {
-  int size = 0, rank = 0;
-  MPI_Comm_size(comm, &size);
-  MPI_Comm_rank(comm, &rank);
-  int64_t mine[4] = {OpId(op), static_cast<int64_t>(dtype), count, root};
-  std::vector<int64_t> all(4 * static_cast<size_t>(size));
-  DL_MPI_CHECK("signature check",
-               MPI_Allgather(mine, 4, MPI_INT64_T, all.data(), 4, MPI_INT64_T,
-                             comm));
-  bool same = true;
-  for (int r = 1; r < size; ++r) {
-    for (int k = 0; k < 4; ++k) same &= all[4 * r + k] == all[k];
-  }
-  if (same) return ffi::Error::Success();
-  std::ostringstream msg;
-  msg << "distlinalg: " << op
-      << " was called with mismatched arguments across ranks (rank: "
-         "operation, dtype, count, root):";
-  for (int r = 0; r < size; ++r) {
-    const int64_t* s = &all[4 * r];
-    msg << "\n  rank " << r << ": "
-        << (s[0] == mine[0] ? op : "a different operation") << ", "
-        << Describe(s[1], s[2]) << ", root " << s[3];
-  }
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg.str());
-}
-
-ffi::Error CheckPairSignature(const char* op, MPI_Comm comm, int source,
-                              int dest, int sendtag, int recvtag,
-                              ffi::DataType send_dtype, int64_t send_count,
-                              ffi::DataType recv_dtype, int64_t recv_count) {
-  // Reserved tags of the check: they never carry user data.
-  constexpr int kSendSigTag = 32766, kExpectTag = 32765;
-  int rank = 0;
-  MPI_Comm_rank(comm, &rank);
-  int64_t send_sig[3] = {static_cast<int64_t>(send_dtype), send_count,
-                         sendtag};
-  int64_t expect[3] = {static_cast<int64_t>(recv_dtype), recv_count, recvtag};
-  int64_t from_source[3] = {static_cast<int64_t>(recv_dtype), recv_count,
-                            recvtag};
-  int64_t from_dest[3] = {static_cast<int64_t>(send_dtype), send_count,
-                          sendtag};
-  DL_MPI_CHECK("signature check",
-               MPI_Sendrecv(send_sig, 3, MPI_INT64_T, dest, kSendSigTag,
-                            from_source, 3, MPI_INT64_T, source, kSendSigTag,
-                            comm, MPI_STATUS_IGNORE));
-  DL_MPI_CHECK("signature check",
-               MPI_Sendrecv(expect, 3, MPI_INT64_T, source, kExpectTag,
-                            from_dest, 3, MPI_INT64_T, dest, kExpectTag, comm,
-                            MPI_STATUS_IGNORE));
-  std::ostringstream msg;
-  bool bad = false;
-  if (source != MPI_PROC_NULL &&
-      (from_source[0] != expect[0] || from_source[1] != expect[1] ||
-       from_source[2] != expect[2])) {
-    bad = true;
-    msg << "\n  rank " << rank << " expects " << Describe(expect[0], expect[1])
-        << " with tag " << expect[2] << " from rank " << source
-        << ", which sends " << Describe(from_source[0], from_source[1])
-        << " with tag " << from_source[2];
-  }
-  if (dest != MPI_PROC_NULL &&
-      (from_dest[0] != send_sig[0] || from_dest[1] != send_sig[1] ||
-       from_dest[2] != send_sig[2])) {
-    bad = true;
-    msg << "\n  rank " << rank << " sends "
-        << Describe(send_sig[0], send_sig[1]) << " with tag " << send_sig[2]
-        << " to rank " << dest << ", which expects "
-        << Describe(from_dest[0], from_dest[1]) << " with tag "
-        << from_dest[2];
-  }
-  if (!bad) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                    std::string("distlinalg: ") + op +
-                        " has mismatched buffers between partners:" +
-                        msg.str());
 }
 
 }  // namespace distlinalg

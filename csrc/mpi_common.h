@@ -6,7 +6,6 @@
 
 #include <mpi.h>
 
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -51,7 +50,7 @@ inline int64_t HandleFromComm(Comm comm) {
 // Global settings, changed from Python.
 struct Settings {
   bool debug_log = false;        // DISTLINALG_DEBUG: log every MPI call
-  bool check_signatures = false;  // DISTLINALG_CHECK: cross-rank shape check
+  int check_mode = 1;  // DISTLINALG_CHECK: 0 off, 1 first run, 2 every call (checks.h)
   bool serialize = false;        // thread level < MULTIPLE: one thread in MPI
   int64_t max_count = std::numeric_limits<int>::max();  // per-call element cap
 };
@@ -188,50 +187,5 @@ class BlockType {
   MPI_Datatype type_ = MPI_DATATYPE_NULL;
   bool owned_ = false;
 };
-
-// ---------------------------------------------------------------------------
-// Debug logging (DISTLINALG_DEBUG=1): one line per MPI call on stderr.
-class CallLog {
- public:
-  CallLog(const char* op, MPI_Comm comm, ffi::DataType dtype, int64_t count)
-      : op_(op), comm_(comm), dtype_(dtype), count_(count) {
-    if (GlobalSettings().debug_log) start_ = std::chrono::steady_clock::now();
-  }
-  ~CallLog() {
-    if (!GlobalSettings().debug_log) return;
-    double us = std::chrono::duration<double, std::micro>(
-                    std::chrono::steady_clock::now() - start_)
-                    .count();
-    int rank = -1;
-    MPI_Comm_rank(comm_, &rank);
-    std::fprintf(stderr,
-                 "distlinalg r%d | %-14s | dtype=%-9s | count=%-10lld | "
-                 "%.1f us\n",
-                 rank, op_, DtypeName(dtype_), static_cast<long long>(count_),
-                 us);
-  }
-
- private:
-  const char* op_;
-  MPI_Comm comm_;
-  ffi::DataType dtype_;
-  int64_t count_;
-  std::chrono::steady_clock::time_point start_;
-};
-
-// ---------------------------------------------------------------------------
-// Cross-rank consistency check (DISTLINALG_CHECK=1): every rank contributes
-// (op id, dtype, element count, root) and all ranks compare, so a mismatch is
-// an error on every rank instead of silent corruption or a hang.
-ffi::Error CheckCollectiveSignature(const char* op, MPI_Comm comm,
-                                    ffi::DataType dtype, int64_t count,
-                                    int64_t root);
-
-// The same for a point-to-point exchange: partners swap what they send and
-// expect, so both sides see a mismatch.
-ffi::Error CheckPairSignature(const char* op, MPI_Comm comm, int source,
-                              int dest, int sendtag, int recvtag,
-                              ffi::DataType send_dtype, int64_t send_count,
-                              ffi::DataType recv_dtype, int64_t recv_count);
 
 }  // namespace distlinalg

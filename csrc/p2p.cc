@@ -3,6 +3,7 @@
 // (all of them for a receive from MPI_PROC_NULL) keep the template's values.
 #include <algorithm>
 
+#include "checks.h"
 #include "handlers.h"
 
 namespace distlinalg {
@@ -43,18 +44,18 @@ ffi::Error KeepTemplateBeyondMessage(const char* op, const MPI_Status& status,
 }  // namespace
 
 ffi::Error SendImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
-                    int64_t comm_handle, int32_t dest, int32_t tag) {
+                    int64_t comm_handle, int32_t dest, int32_t tag,
+                    ffi::RunId run, int64_t site) {
   MpiLock lock;
+  DL_CHECK(CheckNotFinalized("send"));
   MPI_Comm comm = CommFromHandle(comm_handle);
   TypeInfo ti = MpiType(x.element_type());
   if (auto e = CheckTypes("send", ti, x.element_type()); e.failure()) return e;
   const int64_t n = x.element_count();
-  if (GlobalSettings().check_signatures) {
-    auto e = CheckPairSignature("send", comm, MPI_PROC_NULL, dest, tag, tag,
-                                x.element_type(), n, x.element_type(), n);
-    if (e.failure()) return e;
-  }
-  CallLog log("send", comm, x.element_type(), n);
+  CallRecord record("send", comm, x.element_type(), n, dest);
+  DL_CHECKED_CALL_IF(PairCheckable(site, tag, tag), record, Signature("send").Buffer(x).Root(dest).Flag(tag),
+                  CheckPair(dl_sig_, comm, MPI_PROC_NULL, dest, tag, tag,
+                            x.element_type(), n, x.element_type(), n));
   BlockType block;
   DL_MPI_CHECK("send", block.Init(n, ti.type));
   DL_MPI_CHECK("send", MPI_Send(x.untyped_data(), block.count(), block.type(),
@@ -64,19 +65,19 @@ ffi::Error SendImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
 
 ffi::Error RecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::Result<ffi::Token>,
                     ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
-                    int32_t source, int32_t tag) {
+                    int32_t source, int32_t tag, ffi::RunId run,
+                    int64_t site) {
   MpiLock lock;
+  DL_CHECK(CheckNotFinalized("recv"));
   MPI_Comm comm = CommFromHandle(comm_handle);
   TypeInfo ti = MpiType(y->element_type());
   if (auto e = CheckTypes("recv", ti, y->element_type()); e.failure())
     return e;
   const int64_t n = y->element_count();
-  if (GlobalSettings().check_signatures) {
-    auto e = CheckPairSignature("recv", comm, source, MPI_PROC_NULL, tag, tag,
-                                y->element_type(), n, y->element_type(), n);
-    if (e.failure()) return e;
-  }
-  CallLog log("recv", comm, y->element_type(), n);
+  CallRecord record("recv", comm, y->element_type(), n, source);
+  DL_CHECKED_CALL_IF(PairCheckable(site, tag, tag), record, Signature("recv").Buffer(y).Root(source).Flag(tag),
+                  CheckPair(dl_sig_, comm, source, MPI_PROC_NULL, tag, tag,
+                            y->element_type(), n, y->element_type(), n));
   BlockType block;
   DL_MPI_CHECK("recv", block.Init(n, ti.type));
   MPI_Status status;
@@ -89,8 +90,9 @@ ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
                         ffi::AnyBuffer recvbuf, ffi::Result<ffi::Token>,
                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
                         int32_t source, int32_t dest, int32_t sendtag,
-                        int32_t recvtag) {
+                        int32_t recvtag, ffi::RunId run, int64_t site) {
   MpiLock lock;
+  DL_CHECK(CheckNotFinalized("sendrecv"));
   MPI_Comm comm = CommFromHandle(comm_handle);
   TypeInfo st = MpiType(sendbuf.element_type());
   TypeInfo rt = MpiType(recvbuf.element_type());
@@ -102,13 +104,12 @@ ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
     return e;
   const int64_t ns = sendbuf.element_count();
   const int64_t nr = recvbuf.element_count();
-  if (GlobalSettings().check_signatures) {
-    auto e = CheckPairSignature("sendrecv", comm, source, dest, sendtag,
-                                recvtag, sendbuf.element_type(), ns,
-                                recvbuf.element_type(), nr);
-    if (e.failure()) return e;
-  }
-  CallLog log("sendrecv", comm, sendbuf.element_type(), ns);
+  CallRecord record("sendrecv", comm, sendbuf.element_type(), ns, source);
+  DL_CHECKED_CALL_IF(PairCheckable(site, sendtag, recvtag), record,
+                  Signature("sendrecv").Buffer(sendbuf).Root(source).Flag(dest),
+                  CheckPair(dl_sig_, comm, source, dest, sendtag, recvtag,
+                            sendbuf.element_type(), ns, recvbuf.element_type(),
+                            nr));
   BlockType sblock, rblock;
   DL_MPI_CHECK("sendrecv", sblock.Init(ns, st.type));
   DL_MPI_CHECK("sendrecv", rblock.Init(nr, rt.type));
@@ -128,16 +129,17 @@ namespace ffi = xla::ffi;
 
 #define DL_SEND(b)                                                  \
   b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Ret<ffi::Token>()          \
-      .Attr<int64_t>("comm").Attr<int32_t>("dest").Attr<int32_t>("tag")
+      .Attr<int64_t>("comm").Attr<int32_t>("dest").Attr<int32_t>("tag")  \
+      .Ctx<ffi::RunId>().Attr<int64_t>("site")
 #define DL_RECV(b)                                                      \
   b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Ret<ffi::Token>()              \
       .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm").Attr<int32_t>("source") \
-      .Attr<int32_t>("tag")
+      .Attr<int32_t>("tag").Ctx<ffi::RunId>().Attr<int64_t>("site")
 #define DL_SENDRECV(b)                                                     \
   b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()           \
       .Ret<ffi::Token>().Ret<ffi::AnyBuffer>().Attr<int64_t>("comm")        \
       .Attr<int32_t>("source").Attr<int32_t>("dest").Attr<int32_t>("sendtag") \
-      .Attr<int32_t>("recvtag")
+      .Attr<int32_t>("recvtag").Ctx<ffi::RunId>().Attr<int64_t>("site")
 
 DL_DEFINE_HANDLERS(DlSend, dl::SendImpl, DL_SEND);
 DL_DEFINE_HANDLERS(DlRecv, dl::RecvImpl, DL_RECV);

@@ -23,6 +23,8 @@ if YNN_FUSION.startswith("left on"):
         stacklevel=2,
     )
 from . import _mpi  # initialises MPI and registers the FFI handlers
+from . import _safety  # a failing, stuck or interrupted rank ends the whole job
+_safety.install()
 from . import ad, comm, operators, solvers
 from .comm import rank, size
 from .solvers import cg, minres

@@ -8,6 +8,7 @@ library's private communicator.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import functools
 import os
@@ -112,42 +113,97 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+# Signature-check modes (csrc/checks.h): the native codes and their names.
+CHECK_MODES = {"off": 0, "first-run": 1, "every-call": 2}
+_CHECK_WORDS = {
+    "": "first-run", "first-run": "first-run", "first": "first-run", "default": "first-run",
+    "0": "off", "off": "off", "false": "off", "no": "off", "none": "off",
+    "1": "every-call", "every-call": "every-call", "all": "every-call", "on": "every-call",
+    "true": "every-call", "yes": "every-call",
+}
+
+
+def _check_mode(value: Any, what: str) -> str:
+    found = _CHECK_WORDS.get(str(value).strip().lower())
+    if found is None:
+        raise ValueError(
+            f"distlinalg: {what}={value!r} is not a check mode; use 'first-run' (the default), "
+            "'every-call' (or 1) or 'off' (or 0)"
+        )
+    return found
+
+
 def configure(
     *,
     debug_log: bool | None = None,
+    check: str | None = None,
     check_signatures: bool | None = None,
     max_count: int | None = None,
+    timeout: float | None = None,
 ) -> None:
     """Switch the native handlers' diagnostics at run time.
 
+    Every rank must make the same calls (the check mode decides which calls
+    exchange messages).
+
     Args:
-      debug_log: log every MPI call (rank, op, dtype, count, time) to stderr.
-        Default from the environment variable ``DISTLINALG_DEBUG``.
-      check_signatures: before every operation, exchange (op, dtype, count,
-        root) with the other ranks and raise on a mismatch instead of
-        corrupting memory or hanging. Costs one small collective per call.
-        Default from ``DISTLINALG_CHECK``.
+      debug_log: log every MPI call (rank, op, dtype, count, time) at its start
+        and end to stderr. Default from the environment variable ``DISTLINALG_DEBUG``.
+      check: how calls are checked across ranks before they run (a mismatch of
+        operation, shape, dtype, reduction op or root is an error naming every
+        rank's call, on every rank, instead of a hang or corrupted memory):
+        ``"first-run"`` (default): eager calls always, a compiled program's
+        calls during its first execution only (no per-call message in steady
+        state); ``"every-call"``: every call, and the call order (one small
+        allreduce per call); ``"off"``. Default from ``DISTLINALG_CHECK``
+        (unset: first-run; ``1``: every-call; ``0``: off).
+      check_signatures: the older switch: True is ``check="every-call"``,
+        False ``check="first-run"``.
       max_count: largest element count handed to one MPI call; larger buffers
         are chunked or described by derived datatypes. Default 2**31-1 (MPI's
         int counts); lower values exist for testing the large-count paths.
         Default from ``DISTLINALG_MAX_COUNT``.
+      timeout: watchdog, in seconds: a distlinalg MPI call in progress longer
+        than that prints every rank's call and Python stacks, which ranks are
+        in that operation and which are not, and ends the job (MPI_Abort,
+        status 124). ``0`` turns it off (the default; None leaves it as it
+        is). Default from ``DISTLINALG_TIMEOUT``. Set the same value on every rank.
+
+    Example::
+
+        distlinalg.comm.configure(check="every-call")   # debugging a hang
     """
+    if max_count is not None and not 1 <= max_count <= _INT_MAX:
+        raise ValueError(f"max_count must be in [1, 2**31-1], got {max_count}")
+    if timeout is not None:
+        from . import _safety  # here, not at the top: _safety imports this module
+
+        _safety.parse_timeout(timeout)  # a bad value changes nothing
     current = _native.settings()
+    mode = current["check_mode"]
+    if check is not None:
+        mode = CHECK_MODES[_check_mode(check, "check")]
+    elif check_signatures is not None:
+        mode = CHECK_MODES["every-call" if check_signatures else "first-run"]
     _native.configure(
         debug_log=current["debug_log"] if debug_log is None else bool(debug_log),
-        check_signatures=(
-            current["check_signatures"] if check_signatures is None else bool(check_signatures)
-        ),
+        check_mode=mode,
         serialize=THREAD_LEVEL < MPI.THREAD_MULTIPLE,
         max_count=current["max_count"] if max_count is None else int(max_count),
     )
-    if max_count is not None and not 1 <= max_count <= _INT_MAX:
-        raise ValueError(f"max_count must be in [1, 2**31-1], got {max_count}")
+    if timeout is not None:
+        _safety.set_timeout(timeout)
+
+
+def check_mode() -> str:
+    """The signature-check mode in force: 'off', 'first-run' or 'every-call'."""
+    code = _native.settings()["check_mode"]
+    return next(name for name, value in CHECK_MODES.items() if value == code)
 
 
 _native.configure(
     debug_log=_env_flag("DISTLINALG_DEBUG"),
-    check_signatures=_env_flag("DISTLINALG_CHECK"),
+    check_mode=CHECK_MODES[_check_mode(os.environ.get("DISTLINALG_CHECK", ""), "DISTLINALG_CHECK")],
     serialize=THREAD_LEVEL < MPI.THREAD_MULTIPLE,
     max_count=int(os.environ.get("DISTLINALG_MAX_COUNT", _INT_MAX)),
 )
@@ -207,6 +263,39 @@ def _make_default_comm() -> Communicator:
 
 
 DEFAULT_COMM = _make_default_comm()
+# Its check communicator now, while every rank is here: the end-of-program
+# check (comm/_checks.py) uses it even on a rank that made no call.
+_native.prepare_checks(DEFAULT_COMM.handle)
+# The thread that tells other ranks what this rank is blocked in, so a check
+# that waits in vain can prove a mismatch instead of hanging (csrc/checks.h).
+_IMPORT_PID = os.getpid()
+RESPONDER = MPI.COMM_WORLD.Get_size() > 1 and THREAD_LEVEL == MPI.THREAD_MULTIPLE
+if RESPONDER:
+    _native.start_responder(handle_of(MPI.COMM_WORLD))
+
+
+def _end_of_program() -> None:
+    """At interpreter exit, before mpi4py finalizes MPI: the end-of-program check.
+
+    A rank that reaches the end of its program meets the other ranks in one
+    last check, so a rank still calling distlinalg operations gets an error
+    naming this one instead of waiting forever (and this rank does not sit in
+    MPI_Finalize). On a mismatch the job ends here with the message.
+    """
+    if os.getpid() != _IMPORT_PID:
+        return  # a forked child: MPI belongs to its parent
+    try:
+        message = _native.check_at_exit(DEFAULT_COMM.handle)
+    finally:
+        _native.stop_responder()
+    if message:
+        import sys
+
+        print(f"[rank {MPI.COMM_WORLD.Get_rank()}] {message}", file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
+
+
+atexit.register(_end_of_program)
 
 
 def resolve_comm(comm: Any) -> Communicator:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,8 +35,11 @@ def test_debug_log_names_op_dtype_and_count(comm, capfd):
     finally:
         configure(debug_log=False)
     err = capfd.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("distlinalg r")]
-    assert len(lines) == 2, err
+    logged = [line for line in err.splitlines() if line.startswith("distlinalg r")]
+    starts = [line for line in logged if "start #" in line]
+    lines = [line for line in logged if "start #" not in line]
+    assert len(lines) == 2 and len(starts) == 2, err
+    assert "allreduce" in starts[0] and "count=5" in starts[0] and "count=3" in starts[1]
     assert f"r{comm.Get_rank()} " in lines[0] and "allreduce" in lines[0]
     assert "float32" in lines[0] and "count=5" in lines[0] and " us" in lines[0]
     assert "float64" in lines[1] and "count=3" in lines[1]
@@ -46,11 +51,12 @@ def test_mismatched_shapes_are_reported_on_every_rank(comm, rank, size, signatur
         np.testing.assert_allclose(allreduce(jnp.ones(3), comm=comm), np.ones(3))
         return
     x = jnp.ones(3 + (rank == size - 1))  # the last rank's array is longer
-    with pytest.raises(Exception, match="allreduce was called with mismatched arguments") as info:
+    with pytest.raises(Exception, match="mismatched communication across ranks") as info:
         allreduce(x, comm=comm).block_until_ready()
     message = str(info.value)
-    assert f"rank {size - 1}: allreduce, float64[4 elements]" in message, message
-    assert "rank 0: allreduce, float64[3 elements]" in message, message
+    # every-call mode also compares the call order (the call's number).
+    assert re.search(rf"rank {size - 1}: allreduce\(float64\[4\], op=sum\)[^\n]*<-- differs", message), message
+    assert re.search(r"rank 0: allreduce\(float64\[3\], op=sum\)( as call #\d+)?\n", message), message
     # Ranks are still in step afterwards.
     np.testing.assert_allclose(allreduce(jnp.ones(2), comm=comm), np.full(2, size))
 
@@ -60,7 +66,7 @@ def test_mismatched_dtypes_are_reported(comm, rank, size, signature_checks):
         np.testing.assert_allclose(allreduce(jnp.ones(3, jnp.float32), comm=comm), np.ones(3))
         return
     x = jnp.ones(3, jnp.float32 if rank == 0 else jnp.float64)
-    with pytest.raises(Exception, match="mismatched arguments(.|\n)*float32(.|\n)*float64"):
+    with pytest.raises(Exception, match="mismatched communication(.|\n)*float32(.|\n)*float64"):
         jax.jit(lambda a: allreduce(a, comm=comm))(x).block_until_ready()
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import functools
+import itertools
+import threading
 from typing import Any
 
 import jax
@@ -46,6 +48,7 @@ _compat.register_ordered_effect(MPIEffect)
 # of one device in dispatch order, and the custom call is marked as having a
 # side effect so XLA never drops it.
 _eager_twins: dict[Primitive, Primitive] = {}
+_eager_lock = threading.RLock()
 
 
 def new_primitive(name: str, *, multiple_results: bool = False) -> Primitive:
@@ -63,7 +66,12 @@ def new_primitive(name: str, *, multiple_results: bool = False) -> Primitive:
         return jax.jit(functools.partial(twin.bind, **dict(params)))
 
     def eager_impl(*args: Any, **params: Any) -> Any:
-        outs = compiled(tuple(sorted(params.items())))(*args)
+        # One eager operation at a time per process, run to completion: two
+        # Python threads calling operations at once would otherwise hand
+        # their collectives to MPI in an order that differs between ranks.
+        with _eager_lock:
+            outs = compiled(tuple(sorted(params.items())))(*args)
+            jax.block_until_ready(outs)
         if not multiple_results:
             return outs[0]
         return outs[:-1] if _has_dummy_result(prim) else outs
@@ -145,7 +153,7 @@ def register_lowering(
     if aliases:
         alias_map = {i + 1: o + 1 for i, o in aliases.items()}
 
-    def emit(ctx, token, operands, params, avals_out):
+    def emit(ctx, token, operands, params, avals_out, site):
         sub = _compat.replace_lowering_avals(
             ctx,
             [_compat.abstract_token, *ctx.avals_in],
@@ -153,19 +161,22 @@ def register_lowering(
         )
         extra = {"operand_output_aliases": alias_map} if alias_map else {}
         rule = jax.ffi.ffi_lowering(target, has_side_effect=True, **extra)
-        return rule(sub, token, *operands, **attrs(**params))
+        return rule(sub, token, *operands, site=np.int64(site), **attrs(**params))
 
     def lowering(ctx, *operands, **params):
         avals_out = [] if token_only_result else list(ctx.avals_out)
-        token_out, *results = emit(ctx, _compat.token_in(ctx, mpi_effect), operands, params, avals_out)
+        token_out, *results = emit(
+            ctx, _compat.token_in(ctx, mpi_effect), operands, params, avals_out, next(_call_sites)
+        )
         _compat.set_token_out(ctx, mpi_effect, token_out)
         return results
 
     def twin_lowering(ctx, *operands, **params):
+        # Site 0: an eager call, checked every time (csrc/checks.h).
         if token_only_result:
-            emit(ctx, _compat.fresh_token(), operands, params, [])
+            emit(ctx, _compat.fresh_token(), operands, params, [], EAGER_SITE)
             return [mlir.ir_constant(np.zeros((), np.int32))]
-        _, *results = emit(ctx, _compat.fresh_token(), operands, params, list(ctx.avals_out))
+        _, *results = emit(ctx, _compat.fresh_token(), operands, params, list(ctx.avals_out), EAGER_SITE)
         return results
 
     if _mpi.BUILD_INFO["cuda"]:
@@ -176,6 +187,14 @@ def register_lowering(
     for platform in platforms:
         mlir.register_lowering(prim, lowering, platform=platform)
         mlir.register_lowering(_eager_twins[prim], twin_lowering, platform=platform)
+
+
+# Call sites of compiled programs: every lowering of a primitive gets its own
+# number, the handler's `site` attribute. In the default check mode a site is
+# checked across ranks during the first execution of its program only
+# (csrc/checks.h); eager calls (site 0) are checked every time.
+EAGER_SITE = 0
+_call_sites = itertools.count(1)
 
 
 def _register_missing_cuda(prim: Primitive) -> None:

@@ -1,0 +1,160 @@
+// Cross-rank safety of the handlers: the signature check that turns
+// mismatched calls into an error on every rank, and the record of the calls
+// in progress that the watchdog (distlinalg/_safety.py) and the debug log
+// read.
+//
+// Check modes (DISTLINALG_CHECK, distlinalg.comm.configure(check=...)):
+//   off         no check.
+//   first-run   (default) eager calls are checked every time; a call site of
+//               a compiled program (one lowering of a primitive, numbered by
+//               the `site` attribute) is checked during the first execution
+//               of its program (XLA's RunId), every iteration of a loop in
+//               that execution included, and never again. Steady-state
+//               jitted code pays a hash-map lookup per call, no message.
+//   every-call  every call is checked, and the per-communicator call count
+//               is part of the signature (call order).
+// A check is one MPI_Allreduce (max) of (h, -h), h the hash of the call's
+// signature, on a private duplicate of the call's communicator; only when
+// the hashes differ do the ranks allgather their full signatures to build
+// the error message, so every rank returns the same error.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mpi_common.h"
+
+namespace distlinalg {
+
+enum class CheckMode : int { kOff = 0, kFirstRun = 1, kEveryCall = 2 };
+
+// What a call looks like, as fixed-size integers every rank can compare.
+class Signature {
+ public:
+  static constexpr int kWords = 16;
+  static constexpr int kMaxDims = 6;
+
+  explicit Signature(const char* op);
+  // The shape and dtype of the buffer that defines the message.
+  Signature& Buffer(const ffi::AnyBuffer& b);
+  Signature& Buffer(ffi::Result<ffi::AnyBuffer>& b) { return Buffer(*b); }
+  Signature& Root(int64_t root);
+  Signature& Op(int32_t op);
+  Signature& Flag(int64_t flag);
+
+  const char* op() const { return op_; }
+  const int64_t* words() const { return words_; }
+  int64_t* words() { return words_; }
+  int64_t Hash() const;
+
+ private:
+  const char* op_;
+  int64_t words_[kWords];
+};
+
+// Whether a call of this site and run is to be checked (see the modes).
+bool ShouldCheck(int64_t site, int64_t run);
+
+// The check of a collective: every rank of `comm` compares `sig`.
+ffi::Error CheckCollective(const Signature& sig, MPI_Comm comm);
+
+// The check of a point-to-point call: partners swap what they send and
+// expect, so both sides see a mismatch.
+ffi::Error CheckPair(const Signature& sig, MPI_Comm comm, int source, int dest,
+                     int sendtag, int recvtag, ffi::DataType send_dtype,
+                     int64_t send_count, ffi::DataType recv_dtype,
+                     int64_t recv_count);
+
+// The program-end check: every rank reaching the end of its program takes
+// part, so a rank still calling distlinalg operations learns that another
+// rank has finished. Returns "" or the error message.
+std::string CheckAtExit(MPI_Comm comm);
+
+// Creates the private check communicator of `comm` now (collective over
+// `comm`); otherwise it is made at the first checked call.
+int PrepareChecks(MPI_Comm comm);
+
+// ---------------------------------------------------------------------------
+// Calls in progress. Every handler holds a CallRecord while it runs: it is
+// numbered, listed for the watchdog and for the other ranks' queries, and
+// (DISTLINALG_DEBUG) logged at start and end.
+enum class Phase : int64_t { kIdle = 0, kChecking = 1, kRunning = 2 };
+
+struct ActiveCall {
+  int64_t seq = 0;
+  const char* op = "";
+  int64_t comm = 0;
+  int rank = -1;
+  ffi::DataType dtype = ffi::DataType::INVALID;
+  int64_t count = 0;
+  int64_t root = -1;
+  Phase phase = Phase::kRunning;
+  bool checked = false;  // this execution passed a signature check
+  int64_t words[Signature::kWords] = {};
+  std::chrono::steady_clock::time_point start;
+};
+
+class CallRecord {
+ public:
+  CallRecord(const char* op, MPI_Comm comm, ffi::DataType dtype,
+             int64_t count, int64_t root = -1);
+  ~CallRecord();
+  CallRecord(const CallRecord&) = delete;
+  CallRecord& operator=(const CallRecord&) = delete;
+  // The call waits in its signature check / runs (after a check or not).
+  void Checking(const Signature& sig);
+  void Running(const Signature& sig, bool checked);
+
+ private:
+  void Update();
+  ActiveCall call_;
+};
+
+// The signature check of a handler, if this site and run need one
+// (ShouldCheck), between its record's "checking" and "running" phases.
+// CHECK is an expression of `dl_sig_` returning ffi::Error.
+#define DL_CHECKED_CALL(record, SIGNATURE, CHECK) \
+  DL_CHECKED_CALL_IF(true, record, SIGNATURE, CHECK)
+#define DL_CHECKED_CALL_IF(eligible, record, SIGNATURE, CHECK)     \
+  const Signature dl_sig_ = (SIGNATURE);                          \
+  {                                                               \
+    const bool dl_checked_ = (eligible) && ShouldCheck(site, run.run_id); \
+    if (dl_checked_) {                                            \
+      (record).Checking(dl_sig_);                                 \
+      DL_CHECK(CHECK);                                            \
+    }                                                             \
+    (record).Running(dl_sig_, dl_checked_);                       \
+  }
+
+// Tags at or above this carry distlinalg's derivative messages
+// (distlinalg/_mpi.py USER_TAG_LIMIT): their partners legitimately differ in
+// whether they receive (a rank whose source sends no tangent receives from
+// MPI_PROC_NULL), so they are not pair-checked.
+constexpr int kUserTagLimit = 0x1000;
+
+// Point-to-point calls are pair-checked in every-call mode only: partners
+// may legitimately run a message eagerly on one side and inside a compiled
+// program on the other, so they would not agree on whether to check it in
+// first-run mode.
+inline bool PairCheckable(int64_t, int sendtag, int recvtag) {
+  return sendtag < kUserTagLimit && recvtag < kUserTagLimit &&
+         GlobalSettings().check_mode == 2;
+}
+
+std::vector<ActiveCall> CurrentCalls();
+int64_t CallsStarted();
+
+// The service that answers other ranks' "what are you doing?" queries
+// (a thread with a pending receive on a private duplicate of `world`). A
+// rank whose check has waited a while asks every rank; a rank that is
+// inside a call that was not checked, or in a check of another kind, proves
+// a mismatch that would otherwise hang. Needs MPI_THREAD_MULTIPLE.
+int StartResponder(MPI_Comm world);
+void StopResponder();
+
+// An error when MPI has been finalized (MPI calls would abort the process).
+ffi::Error CheckNotFinalized(const char* op);
+
+}  // namespace distlinalg

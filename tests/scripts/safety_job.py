@@ -1,0 +1,81 @@
+"""Jobs that fail, hang or run long on purpose, for tests/test_safety_runtime.py.
+
+    mpiexec -n P python tests/scripts/safety_job.py MODE
+
+MODE: raise (rank 1 raises ValueError), exit (rank 1 calls sys.exit(3)),
+recv (rank 1 receives a message nobody sends), barrier (the last rank never
+reaches the barrier), loop (a long jitted loop of allreduces, to be
+interrupted), sleep (a long time.sleep, to be interrupted), ok (a clean run).
+Every rank prints "ready" once it has made its first collective call.
+SAFETY_THREAD_LEVEL=serialized runs MPI at that thread level.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import mpi4py
+
+mpi4py.rc.thread_level = os.environ.get("SAFETY_THREAD_LEVEL", "multiple")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import distlinalg as dl  # noqa: E402
+from distlinalg import comm as C  # noqa: E402
+
+
+def fail_on_rank_one() -> None:
+    if dl.rank() == 1:
+        raise ValueError("rank one fails on purpose")
+
+
+def exit_on_rank_one() -> None:
+    if dl.rank() == 1:
+        sys.exit(3)
+
+
+def receive_what_nobody_sends() -> None:
+    if dl.rank() == 1:
+        C.recv(jnp.zeros(3), source=0, tag=5).block_until_ready()
+    time.sleep(60)  # the other ranks are alive but never send
+
+
+def barrier_without_the_last_rank() -> None:
+    if dl.rank() != dl.size() - 1:
+        C.barrier()
+    time.sleep(60)
+
+
+def compile_allreduce_loop():
+    """Compiled before "ready" is printed, so an interrupt lands inside the loop, not the compiler."""
+    loop = jax.jit(lambda x: jax.lax.fori_loop(0, 10**8, lambda i, v: C.allreduce(v) / dl.size(), x))
+    compiled = loop.lower(jnp.ones(4)).compile()
+
+    def long_allreduce_loop() -> None:
+        compiled(jnp.ones(4)).block_until_ready()
+
+    return long_allreduce_loop
+
+
+def main(mode: str) -> None:
+    C.allreduce(jnp.ones(1)).block_until_ready()  # every rank is up and talking
+    run = {
+        "raise": fail_on_rank_one,
+        "exit": exit_on_rank_one,
+        "sleep": lambda: time.sleep(60),
+        "recv": receive_what_nobody_sends,
+        "barrier": barrier_without_the_last_rank,
+        "loop": None,
+        "ok": lambda: None,
+    }[mode] or compile_allreduce_loop()
+    print(f"ready {dl.rank()}", flush=True)
+    run()
+    C.barrier()
+    print(f"done {dl.rank()}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,335 @@
+"""The safety net (distlinalg/_safety.py): failing, stuck or interrupted ranks end the job.
+
+Tests marked ``serial`` start their own mpiexec jobs (tests/scripts/safety_job.py)
+from one plain process, each bounded by a timeout and killed with its whole
+process group afterwards; the others run on every rank of the suite's world.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from distlinalg import _safety
+from distlinalg.comm import allreduce, configure
+from run_mpi import find_mpiexec
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "tests" / "scripts" / "safety_job.py"
+HYDRA = "MPICH" in MPI.Get_library_version()  # Ctrl-C forwarding is launcher-specific
+
+
+# ---------------------------------------------------------------------------
+# Settings (every rank)
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, True), ("", True), (" ", True), ("1", True), ("yes", True), ("ON", True),
+     ("0", False), ("false", False), (" off ", False), ("No", False)],
+)
+def test_flag_values(value, expected):
+    assert _safety.parse_flag("X", value, True) is expected
+    if value is None or not value.strip():
+        assert _safety.parse_flag("X", value, False) is False
+
+
+@pytest.mark.parametrize("value", ["2", "enabled", "-1", "o n"])
+def test_bad_flag_values_are_errors(value):
+    with pytest.raises(ValueError, match="DISTLINALG_SIGNALS=.* is not a switch"):
+        _safety.parse_flag("DISTLINALG_SIGNALS", value, True)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, None), ("", None), ("0", None), (0, None), (0.0, None), ("2.5", 2.5), (3, 3.0), (" 10 ", 10.0)],
+)
+def test_timeout_values(value, expected):
+    assert _safety.parse_timeout(value) == expected
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", -0.5, "nan", float("inf"), True, [1]])
+def test_bad_timeout_values_are_errors(value):
+    with pytest.raises(ValueError, match="timeout"):
+        _safety.parse_timeout(value)
+
+
+def test_configure_timeout_switches_the_watchdog(comm):
+    monitor = _safety._monitor
+    assert _safety.get_timeout() is None and monitor.request is None  # off by default: nothing posted
+    with pytest.raises(ValueError, match="timeout='never'"):
+        configure(timeout="never")
+    assert _safety.get_timeout() is None
+    configure(timeout=30)
+    try:
+        assert _safety.get_timeout() == 30.0
+        configure(debug_log=False)  # other settings leave it alone
+        assert _safety.get_timeout() == 30.0
+        # Calls shorter than the timeout go through untouched.
+        for _ in range(3):
+            np.testing.assert_allclose(allreduce(jnp.ones(2), comm=comm), np.full(2, comm.Get_size()))
+        if monitor.multiple and monitor.size > 1:
+            deadline = time.monotonic() + 5
+            while monitor.request is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert monitor.request is not None, "the watchdog posts its receive for report requests"
+    finally:
+        configure(timeout=0)
+    assert _safety.get_timeout() is None
+    deadline = time.monotonic() + 5
+    while monitor.request is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert monitor.request is None, "switching the watchdog off cancels its receive"
+    comm.Barrier()  # no rank's watchdog is on while the next test runs
+
+
+def test_describe_call_names_op_arguments_and_communicator(comm):
+    from distlinalg import _mpi
+
+    call = {"op": "recv", "dtype": "float64", "count": 3, "root": 1, "comm": _mpi.DEFAULT_COMM.handle,
+            "rank": 0, "seconds": 2.5, "seq": 7}
+    text = _safety.describe_call(call)
+    assert text.startswith("recv(dtype=float64, count=3, peer=1, comm=<distlinalg default")
+    assert "call #7" in text and "2.5 s" in text
+    barrier = dict(call, op="barrier", dtype="-", count=0, root=-1)
+    assert _safety.describe_call(barrier).startswith("barrier(comm=<distlinalg default")
+    assert "root=2" in _safety.describe_call(dict(call, op="bcast", root=2))
+
+
+def test_excepthook_prefixes_the_rank_and_aborts(monkeypatch, capsys):
+    codes = []
+    monkeypatch.setattr(_safety, "_abort", codes.append)
+    hook = _safety._ExceptHook(sys.__excepthook__, rank=3, size=4)
+    try:
+        raise ValueError("broken on purpose")
+    except ValueError as err:
+        hook(type(err), err, err.__traceback__)
+    hook(KeyboardInterrupt, KeyboardInterrupt(), None)
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert all(line.startswith("[rank 3] ") for line in lines), err
+    assert "[rank 3] ValueError: broken on purpose" in lines
+    assert "test_excepthook_prefixes_the_rank_and_aborts" in err  # the traceback itself
+    assert "uncaught ValueError on rank 3 of 4; ending the job (MPI_Abort(1))" in err
+    assert codes == [1, 130]
+
+
+def test_excepthook_keeps_a_custom_hook(monkeypatch, capsys):
+    codes, seen = [], []
+    monkeypatch.setattr(_safety, "_abort", codes.append)
+    hook = _safety._ExceptHook(lambda *args: seen.append(args[0]), rank=0, size=2)
+    hook(RuntimeError, RuntimeError("x"), None)
+    assert seen == [RuntimeError] and codes == [1]
+    assert "uncaught RuntimeError on rank 0" in capsys.readouterr().err
+
+
+def test_stacks_of_other_threads_are_readable():
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait, name="safety-test-waiter")
+    worker.start()
+    try:
+        text = _safety.python_stacks()
+    finally:
+        release.set()
+        worker.join()
+    assert text.startswith("Thread MainThread")
+    assert "safety-test-waiter" in text and "test_stacks_of_other_threads_are_readable" in text
+
+
+# ---------------------------------------------------------------------------
+# Whole jobs (one plain process starts them)
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTLINALG_", "PYTEST_"))}
+    env.update(extra)
+    return env
+
+
+class Job:
+    """An mpiexec job of safety_job.py in its own process group, its output collected by a thread."""
+
+    def __init__(self, mode: str, ranks: int, **env: str) -> None:
+        cmd = find_mpiexec() + ["-n", str(ranks), sys.executable, str(JOB), mode]
+        self.ranks = ranks
+        self.lines: list[str] = []
+        self.all_ready = threading.Event()
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            # Ranks' lines can interleave ("ready 1ready 0\n"): count the words.
+            if len(set(re.findall(r"ready (\d+)", self.output))) >= self.ranks:
+                self.all_ready.set()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, timeout: float = 40) -> float:
+        """When every rank has made its first collective call (time.monotonic)."""
+        assert self.all_ready.wait(timeout), f"ranks not ready after {timeout} s:\n{self.output}"
+        return time.monotonic()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"job still running after {timeout} s:\n{self.output}")
+        self.reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+@pytest.fixture
+def job():
+    jobs: list[Job] = []
+
+    def start(mode: str, ranks: int, **env: str) -> Job:
+        jobs.append(Job(mode, ranks, **env))
+        return jobs[-1]
+
+    yield start
+    for j in jobs:
+        j.kill()
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_uncaught_exception_ends_the_job(job, ranks):
+    j = job("raise", ranks)
+    ready = j.wait_ready()
+    code = j.wait(10)
+    out = j.output
+    assert code == _safety.EXIT_ERROR, out
+    assert time.monotonic() - ready < 10
+    assert "[rank 1] ValueError: rank one fails on purpose" in out, out
+    assert "[rank 1]   File " in out and "in fail_on_rank_one" in out  # the traceback, annotated
+    assert f"uncaught ValueError on rank 1 of {ranks}; ending the job" in out
+
+
+@pytest.mark.serial
+def test_abort_on_error_off_leaves_the_hang_to_the_watchdog(job):
+    # Rank 1 raises and exits normally (it then waits in MPI_Finalize); rank
+    # 0 waits in its barrier until the watchdog ends the job, reporting rank
+    # 1 as not answering. The end-of-program check would catch this sooner.
+    j = job("raise", 2, DISTLINALG_ABORT_ON_ERROR="0", DISTLINALG_TIMEOUT="2", DISTLINALG_CHECK="0")
+    ready = j.wait_ready()
+    code = j.wait(20)
+    out = j.output
+    assert code == _safety.EXIT_TIMEOUT, out
+    assert "ValueError: rank one fails on purpose" in out and "uncaught ValueError" not in out, out
+    assert "[rank 0] distlinalg watchdog: barrier on rank 0 of 2 has been blocked" in out, out
+    assert "[rank 0]   rank 1: did not answer" in out, out
+    assert "entered barrier: 0; not in it: 1 (no answer)" in out, out
+    assert time.monotonic() - ready < 15
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize(
+    ("mode", "ranks", "stuck", "function", "entered", "absent"),
+    [
+        ("recv", 3, 1, "receive_what_nobody_sends", "1", "0 (no call), 2 (no call)"),
+        ("barrier", 2, 0, "barrier_without_the_last_rank", "0", "1 (no call)"),
+    ],
+)
+def test_watchdog_reports_and_ends_a_hang(job, mode, ranks, stuck, function, entered, absent):
+    # Signature checks off: this tests the watchdog alone.
+    j = job(mode, ranks, DISTLINALG_TIMEOUT="2", DISTLINALG_CHECK="0")
+    ready = j.wait_ready()
+    code = j.wait(20)
+    elapsed = time.monotonic() - ready
+    out = j.output
+    assert code == _safety.EXIT_TIMEOUT, out
+    assert elapsed < 15, out
+    tag = f"[rank {stuck}] "
+    assert f"{tag}distlinalg watchdog: {mode} on rank {stuck} of {ranks} has been blocked" in out, out
+    assert f"{tag}  in {mode}(" in out  # the call and its arguments
+    for r in range(ranks):  # every rank printed its state and its Python stack
+        assert f"state of rank {r}:" in out, (r, out)
+        assert f"[rank {r}]   File \"{JOB}\"" in out and f"in {function}" in out, (r, out)
+    assert f"{tag}distlinalg watchdog: which ranks are in {mode}" in out, out
+    assert f"entered {mode}: {entered}; not in it: {absent}" in out, out
+    assert f"MPI_Abort({_safety.EXIT_TIMEOUT})" in out
+
+
+@pytest.mark.serial
+def test_watchdog_at_thread_level_serialized_reports_locally(job):
+    j = job("recv", 2, DISTLINALG_TIMEOUT="1", DISTLINALG_CHECK="0", SAFETY_THREAD_LEVEL="serialized")
+    ready = j.wait_ready()
+    code = j.wait(20)
+    out = j.output
+    assert code == _safety.EXIT_TIMEOUT, out
+    assert time.monotonic() - ready < 15
+    assert "[rank 1] distlinalg watchdog: recv on rank 1 of 2 has been blocked" in out, out
+    assert "thread level SERIALIZED" in out and "which ranks are in recv" in out, out
+    assert "entered recv: 1; not in it: 0 (not asked)" in out, out
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize(("mode", "ranks"), [("loop", 2), ("sleep", 3)])
+def test_one_ctrl_c_ends_the_job(job, mode, ranks):
+    """SIGINT to the launcher's process group (a terminal's Ctrl-C)."""
+    j = job(mode, ranks)
+    j.wait_ready()
+    time.sleep(1.0)  # well inside the loop (or the sleep)
+    sent = time.monotonic()
+    os.killpg(j.proc.pid, signal.SIGINT)
+    code = j.wait(10)
+    elapsed = time.monotonic() - sent
+    out = j.output
+    assert code != 0, out
+    assert elapsed < 3.0, (elapsed, out)
+    if HYDRA:
+        assert code == _safety.EXIT_INTERRUPT, out
+        if mode == "loop":  # the main thread is inside XLA: the monitor thread ends the job
+            assert "KeyboardInterrupt on rank" in out and "while in allreduce" in out, out
+            assert "in long_allreduce_loop" in out  # the Python stack
+        else:  # the main thread raises KeyboardInterrupt itself: the excepthook ends the job
+            assert "uncaught KeyboardInterrupt on rank" in out, out
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("DISTLINALG_TIMEOUT", "soon"), ("DISTLINALG_ABORT_ON_ERROR", "maybe"), ("DISTLINALG_SIGNALS", "2")],
+)
+def test_bad_environment_values_fail_at_import(name, value):
+    out = subprocess.run([sys.executable, "-c", "import distlinalg"], cwd=ROOT, env=_env(**{name: value}),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "ValueError" in out.stderr and f"{name}={value!r}" in out.stderr, out.stderr
+
+
+@pytest.mark.serial
+def test_bad_environment_value_fails_on_every_rank_without_hanging():
+    cmd = find_mpiexec() + ["-n", "2", sys.executable, "-c", "import distlinalg"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(DISTLINALG_TIMEOUT="-3"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    assert out.count("ValueError: distlinalg: DISTLINALG_TIMEOUT='-3'") == 2, out
