@@ -15,9 +15,9 @@ if YNN_FUSION.startswith("left on"):
     import warnings
 
     warnings.warn(
-        "distlinalg was imported after JAX's CPU backend started, so XLA's YNN fusions stay on; "
-        "with jaxlib 0.10 they can give wrong results in jitted solves whose operator calls "
-        "distlinalg collectives. Import distlinalg before running JAX computations, or set "
+        "distlinalg was imported after JAX's CPU backend started and could not switch XLA's YNN "
+        "fusions off; with jaxlib 0.10.2 they can give wrong results (e.g. in jitted solves with "
+        "x0=None). Import distlinalg before running JAX computations, or set "
         "XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= yourself.",
         RuntimeWarning,
         stacklevel=2,

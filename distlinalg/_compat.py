@@ -85,11 +85,12 @@ JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit(
 
 
 # ---------------------------------------------------------------------------
-# XLA CPU's YNN fusions (jaxlib 0.10) return wrong values when a
-# distlinalg custom call and a fused dot meet inside custom_linear_solve (a
-# Gram operator of a communicating model built in the same jit as the
-# solve: reproducer in tests/test_gram.py). Until that is understood and
-# fixed upstream, distlinalg switches those fusions off before XLA starts.
+# XLA CPU's YNN fusions (jaxlib 0.10.2) miscompile a reduction of a dot whose
+# operand is a broadcast scalar (seen from 1024 rows on): the result reads
+# uninitialised memory (nondeterministic garbage), with or without MPI, e.g. jit(lambda X, s: jnp.sum(X @ jnp.broadcast_to(s, (8, 4)), 1))
+# on a (1024, 8) X. A solve with x0=None hits it: A x0 with x0 = zeros / scale
+# is such a dot (reproducer in tests/test_gram.py). distlinalg switches the
+# fusions off: through XLA_FLAGS before XLA starts, else per compilation.
 _YNN_FLAG = "xla_cpu_experimental_ynn_fusion_type"
 
 
@@ -131,9 +132,47 @@ def disable_ynn_fusion() -> str:
     if not _jaxlib_knows_flag(_YNN_FLAG):
         return "not present in this jaxlib"
     if xla_bridge.backends_are_initialized():
+        # XLA_FLAGS is read once, when the backend starts; the same debug
+        # option is still accepted per compilation (compiler_options).
+        if _disable_ynn_fusion_per_compile():
+            return "disabled per compilation (JAX's backend started before distlinalg was imported)"
         return "left on: JAX's backend started before distlinalg was imported"
     os.environ["XLA_FLAGS"] = f"{flags} --{_YNN_FLAG}=".strip()
     return "disabled"
+
+
+def _disable_ynn_fusion_per_compile() -> bool:
+    """Add the YNN flag to the options of every later jit compilation.
+
+    Same effect as ``jax.jit(f, compiler_options={flag: ""})`` on each jit;
+    an explicit ``compiler_options`` entry for the flag wins. Programs
+    compiled before this call keep the fusions (they hold no distlinalg
+    call: distlinalg was not imported yet).
+    """
+    import functools
+
+    try:
+        from jax._src import compiler  # private
+    except ImportError:  # pragma: no cover - JAX moved it
+        return False
+    original = getattr(compiler, "get_compile_options", None)
+    if original is None:  # pragma: no cover - JAX moved it
+        return False
+    if getattr(original, "_distlinalg_no_ynn", False):
+        return True
+
+    @functools.wraps(original)
+    def get_compile_options(*args: Any, **kwargs: Any) -> Any:
+        backend = kwargs.get("backend")
+        if backend is None or getattr(backend, "platform", "cpu") == "cpu":
+            overrides = dict(kwargs.get("env_options_overrides") or {})
+            overrides.setdefault(_YNN_FLAG, "")
+            kwargs["env_options_overrides"] = overrides
+        return original(*args, **kwargs)
+
+    get_compile_options._distlinalg_no_ynn = True  # type: ignore[attr-defined]
+    compiler.get_compile_options = get_compile_options
+    return True
 
 
 # ---------------------------------------------------------------------------

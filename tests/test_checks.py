@@ -1,0 +1,200 @@
+"""Mismatched calls across ranks: errors on every rank by default, never a hang.
+
+The default check mode ("first-run") compares every eager call and the first
+execution of each compiled call site across ranks; "every-call" compares
+every call and the call order. A rank whose check waits on a rank that is
+blocked elsewhere (a compiled call already checked, the end of its program)
+gets an error naming what every rank is doing. Jobs that must end are
+launched as separate mpiexec jobs (tests/scripts/checks_job.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from distlinalg import _mpi
+from distlinalg.comm import allgather, allreduce, barrier, bcast, configure, reduce
+from conftest import assert_no_failures, failure_of
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "tests" / "scripts" / "checks_job.py"
+MISMATCH = "mismatched communication across ranks"
+
+
+@pytest.fixture
+def every_call():
+    configure(check="every-call")
+    yield
+    configure(check="first-run")
+
+
+def test_default_mode_is_first_run():
+    if "DISTLINALG_CHECK" not in os.environ:
+        assert _mpi.check_mode() == "first-run"
+
+
+def test_bad_check_mode_is_an_error():
+    with pytest.raises(ValueError, match="not a check mode"):
+        configure(check="sometimes")
+
+
+# The mismatches below raise on every rank, after which the ranks are in step.
+def _mismatches(rank, size):
+    last = rank == size - 1
+    return {
+        "shape": lambda c: allreduce(jnp.ones(3 + last), comm=c),
+        "same count, other shape": lambda c: allreduce(jnp.ones((2, 3) if last else (3, 2)), comm=c),
+        "dtype": lambda c: allreduce(jnp.ones(3, jnp.float32 if last else jnp.float64), comm=c),
+        "reduction op": lambda c: allreduce(jnp.ones(3), "max" if last else "sum", comm=c),
+        "root": lambda c: bcast(jnp.ones(3), root=int(last), comm=c),
+        "reduce root": lambda c: reduce(jnp.ones(3), "sum", root=int(last), comm=c),
+        "barrier against a collective": lambda c: barrier(comm=c) if last else allreduce(jnp.ones(1), comm=c),
+        "different operations": lambda c: allgather(jnp.ones(2), comm=c) if last else allreduce(jnp.ones(2), comm=c),
+    }
+
+
+@pytest.mark.parametrize("case", list(_mismatches(0, 2)))
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "jit"])
+def test_mismatch_is_an_error_on_every_rank(comm, rank, size, case, compiled):
+    if size == 1:
+        pytest.skip("a mismatch needs two ranks")
+    call = _mismatches(rank, size)[case]
+    if compiled:
+        fn = jax.jit(lambda: call(comm))
+    else:
+        fn = lambda: call(comm)  # noqa: E731
+    failure = failure_of(lambda: jax.block_until_ready(fn()), MISMATCH)
+    assert_no_failures(failure, comm)
+    # Still in step: the next collective agrees.
+    np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [size])
+
+
+def test_error_names_every_rank_and_the_one_that_differs(comm, rank, size):
+    if size == 1:
+        pytest.skip("needs two ranks")
+    last = rank == size - 1
+    with pytest.raises(Exception, match=MISMATCH) as info:
+        allreduce(jnp.ones(4 if last else 3), comm=comm).block_until_ready()
+    message = str(info.value)
+    for r in range(size - 1):
+        assert f"rank {r}: allreduce(float64[3], op=sum)\n" in message, message
+    assert re.search(rf"rank {size - 1}: allreduce\(float64\[4\], op=sum\)\s+<-- differs", message), message
+
+
+def test_rank_dependent_cond_in_first_run(comm, rank, size):
+    """A collective in one branch of a rank-dependent cond meets the next call's check."""
+    if size == 1:
+        pytest.skip("needs two ranks")
+
+    @jax.jit
+    def step(x, flag):
+        x = jax.lax.cond(flag, lambda v: allreduce(v, comm=comm), lambda v: v, x)
+        return allreduce(x, "max", comm=comm)
+
+    failure = failure_of(lambda: step(jnp.ones(2), rank == 0).block_until_ready(), MISMATCH)
+    assert_no_failures(failure, comm)
+
+
+def test_every_call_mode_compares_call_order(comm, rank, size, every_call):
+    if size == 1:
+        np.testing.assert_allclose(allreduce(jnp.ones(2), comm=comm), np.ones(2))
+        return
+    f = jax.jit(lambda x: allreduce(x, comm=comm))
+    f(jnp.ones(2)).block_until_ready()  # first run: checked in every mode
+    # Steady state: the same shapes, but one rank calls with another dtype.
+    failure = failure_of(lambda: f(jnp.ones(2, jnp.float32 if rank else jnp.float64)).block_until_ready(), MISMATCH)
+    assert_no_failures(failure, comm)
+
+
+def test_valid_programs_pass_in_every_mode(comm, size):
+    f = jax.jit(lambda x: jax.lax.fori_loop(0, 5, lambda i, v: allreduce(v, comm=comm) / size, x))
+    for mode in ("off", "every-call", "first-run"):
+        configure(check=mode)
+        np.testing.assert_allclose(f(jnp.ones(3)), np.ones(3))
+        np.testing.assert_allclose(allreduce(jnp.ones(3), comm=comm), np.full(3, size))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64])
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_nan_propagates_in_min_max_for_every_float_dtype(comm, rank, size, dtype, op):
+    x = np.array([1.0, 2.0, 3.0])
+    x[rank % 3] = np.nan  # each rank a NaN somewhere; rank 0's in entry 0
+    got = np.asarray(allreduce(jnp.asarray(x, dtype), op, comm=comm), np.float64)
+    assert np.isnan(got[0])
+    expected_nan = {r % 3 for r in range(size)}
+    for i in range(3):
+        assert np.isnan(got[i]) == (i in expected_nan), (i, got)
+
+
+def test_eager_calls_from_two_threads_are_serialised(comm, size):
+    import threading
+
+    results = {}
+
+    def worker(k):
+        out = []
+        for _ in range(20):
+            out.append(float(allreduce(jnp.full(1, float(k)), comm=comm)[0]))
+        results[k] = out
+
+    # Both threads make the same calls on every rank; their order may differ
+    # between ranks, and the check makes any interleaving that pairs
+    # different calls an error instead of a silent mix. Same values: any
+    # pairing is fine, and no call may be torn.
+    threads = [threading.Thread(target=worker, args=(1,)), threading.Thread(target=worker, args=(1,))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(v == size for out in results.values() for v in out)
+
+
+# ---------------------------------------------------------------------------
+# Whole jobs: a rank blocked where the others can never meet it.
+def _launch(mode: str, ranks: int, timeout: float = 60.0, **env):
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    cmd = [str(mpiexec), "-n", str(ranks), sys.executable, str(JOB), mode]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=dict(os.environ, **env))
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        return None, out, time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    return proc.returncode, out, time.monotonic() - start
+
+
+JOBS = {
+    # rank 1 calls a compiled program with a new shape; rank 0 reruns one already checked
+    "new-shape-on-one-rank": "is inside allreduce(float32[3], op=sum) (not checked",
+    # rank 1 makes one more eager call after rank 0 has finished its program
+    "extra-call": "the end of its program",
+    # a rank-dependent trip count of a while loop with a collective inside
+    "while-trip-count": "mismatched communication",
+}
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("mode", list(JOBS))
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_job_with_a_rank_blocked_elsewhere_ends_with_the_message(mode, ranks):
+    rc, out, seconds = _launch(mode, ranks)
+    assert rc is not None, f"the job hung:\n{out}"
+    assert rc != 0, out
+    assert JOBS[mode] in out, out
+    assert seconds < 40, (seconds, out)
