@@ -97,6 +97,7 @@ bench: setup
 	$(BIN)/python -m pip install -q $(BENCH_DEPS)
 	$(BIN)/python benchmarks/run_all.py $(if $(filter 1 yes true,$(QUICK)),--quick) $(if $(filter 1 yes true,$(WITH_PETSC)),--with-petsc) $(BENCH_ARGS)
 	$(BIN)/python benchmarks/bench_operators.py $(if $(filter 1 yes true,$(QUICK)),--quick) --output benchmarks/results.md
+	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python benchmarks/bench_checks.py $(if $(filter 1 yes true,$(QUICK)),--repeats 2)
 
 clean:
 	rm -rf build .mpitest

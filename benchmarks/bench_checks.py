@@ -1,0 +1,78 @@
+"""Latency cost of the cross-rank checks (README "When things go wrong").
+
+    mpiexec -n 2 python benchmarks/bench_checks.py [--repeats 5]
+
+Small-message (8 B) allreduce, per call, in three settings of
+distlinalg.comm.configure(check=...): inside one jitted fori_loop (the
+steady state of compiled code), one jitted call per allreduce, and eager;
+against mpi4py's Allreduce on numpy in the same run. Prints medians over
+repeats and the ratios to mpi4py and to check="off".
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from mpi4py import MPI
+
+import distlinalg as dl
+from distlinalg.comm import allreduce, configure
+
+
+def per_call(fn, calls: int) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--loop", type=int, default=20000)
+    parser.add_argument("--calls", type=int, default=500)
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    x = jnp.ones(1)
+    loop = jax.jit(lambda v: jax.lax.fori_loop(0, args.loop, lambda i, w: allreduce(w) * 0.5, v))
+    single = jax.jit(lambda v: allreduce(v))
+    buf, out = np.ones(1), np.empty(1)
+
+    def mpi4py_calls():
+        for _ in range(args.calls):
+            comm.Allreduce(buf, out)
+
+    results: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        comm.Barrier()
+        t = time.perf_counter()
+        mpi4py_calls()
+        results.setdefault("mpi4py", []).append((time.perf_counter() - t) / args.calls * 1e6)
+        for mode in ("off", "first-run", "every-call"):
+            configure(check=mode)
+            loop(x).block_until_ready()
+            single(x).block_until_ready()  # compiled and checked once
+            comm.Barrier()
+            results.setdefault(f"in-jit loop, {mode}", []).append(per_call(lambda: loop(x), args.loop))
+            comm.Barrier()
+            results.setdefault(f"jit call, {mode}", []).append(
+                per_call(lambda: [single(x) for _ in range(args.calls)], args.calls))
+            comm.Barrier()
+            results.setdefault(f"eager, {mode}", []).append(
+                per_call(lambda: [allreduce(x) for _ in range(args.calls)], args.calls))
+    configure(check="first-run")
+    if dl.rank() == 0:
+        peer = np.median(results["mpi4py"])
+        print(f"8-byte allreduce on {dl.size()} ranks, median of {args.repeats} (µs per call)")
+        print(f"{'case':32s} {'µs':>9s} {'/ mpi4py':>9s} {'/ off':>7s}")
+        for name, values in results.items():
+            base = name.rsplit(", ", 1)[0] + ", off"
+            ratio_off = np.median(values) / np.median(results[base]) if base in results else float("nan")
+            print(f"{name:32s} {np.median(values):9.2f} {np.median(values) / peer:9.2f} {ratio_off:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
