@@ -28,6 +28,18 @@ def exchange_sizes(value: int, comm: Communicator) -> np.ndarray:
         return np.asarray(allgather(jnp.asarray(value, jnp.int64), comm=comm), np.int64)
 
 
+def exchange_rows(row: np.ndarray, comm: Communicator) -> np.ndarray:
+    """Every rank's int vector `row` (the same length everywhere), stacked (size, len), at trace time.
+
+    The same eager allgather as `exchange_sizes`.
+    """
+    row = np.asarray(row, np.int64)
+    if comm.size == 1:
+        return row[None]
+    with jax.ensure_compile_time_eval():
+        return np.asarray(allgather(jnp.asarray(row, jnp.int64), comm=comm), np.int64)
+
+
 class Partition(NamedTuple):
     """Contiguous blocks: rank r owns global indices [starts[r], starts[r+1])."""
 
@@ -63,25 +75,78 @@ class Partition(NamedTuple):
 
 
 def resolve_partition(partition: Any, total: int, comm: Communicator, what: str) -> Partition:
-    """A Partition from None (even split), a sequence of block sizes, or a Partition."""
+    """A Partition from None (even split), a sequence of block sizes, or a Partition.
+
+    Collective: every rank must call it together (at construction, also
+    inside a jit trace). The ranks exchange what they resolved (one small
+    eager allgather) before anything is judged, so a partition that is
+    invalid, or different from the other ranks', raises the same ValueError
+    on every rank (naming each rank's partition when they differ) instead of
+    an error on one rank while the others wait in the operator's first
+    message.
+    """
+    sizes, code, problem = _block_sizes(partition, total, comm.size, what)
+    if comm.size > 1:
+        table = exchange_rows(_encode(sizes, total, code, comm.size), comm)
+        if np.any(table != table[0]):
+            raise ValueError(_disagreement(table, what, comm.size))
+    if code:
+        raise ValueError(problem)  # the same on every rank: their inputs agree
+    return Partition.from_sizes(sizes)
+
+
+# What can be wrong with a rank's partition (code 0: nothing).
+_PROBLEMS = ("", "not one block size per rank", "a negative block size", "a block size that is not an integer",
+             "blocks that do not add up to the total")
+
+
+def _block_sizes(partition: Any, total: int, size: int, what: str) -> tuple[list[int], int, str]:
+    """(block sizes, problem code, error message for this rank alone)."""
     if partition is None:
-        return Partition.even(total, comm.size)
-    if isinstance(partition, Partition):
-        result = partition
-    else:
-        sizes = [int(s) for s in partition]
-        if len(sizes) != comm.size or any(s < 0 for s in sizes):
-            raise ValueError(
-                f"distlinalg.operators: {what} must give one non-negative block size per rank "
-                f"({comm.size}), got {list(partition)}"
-            )
-        result = Partition.from_sizes(sizes)
-    if result.total != total:
-        raise ValueError(
-            f"distlinalg.operators: {what} covers {result.total} indices but the matrix has {total}; "
-            f"the blocks {list(result.sizes)} must add up to {total}"
-        )
-    return result
+        return list(Partition.even(total, size).sizes), 0, ""
+    raw = partition.sizes if isinstance(partition, Partition) else partition
+    try:
+        sizes = [_as_int(s) for s in raw]
+    except (TypeError, ValueError):
+        return [], 3, f"distlinalg.operators: {what} must give integer block sizes, got {raw!r}"
+    if len(sizes) != size or any(s < 0 for s in sizes):
+        code = 1 if len(sizes) != size else 2
+        return sizes, code, (f"distlinalg.operators: {what} must give one non-negative block size per rank "
+                             f"({size}), got {sizes}")
+    if sum(sizes) != total:
+        return sizes, 4, (f"distlinalg.operators: {what} covers {sum(sizes)} indices but the matrix has {total}; "
+                          f"the blocks {sizes} must add up to {total}")
+    return sizes, 0, ""
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)) or int(value) != value:
+        raise ValueError(f"not an integer: {value!r}")
+    return int(value)
+
+
+def _encode(sizes: list[int], total: int, code: int, size: int) -> np.ndarray:
+    """A rank's partition on the wire: [code, total, number of blocks, blocks…],
+    the blocks padded with -1 (or cut) to one per rank, so every rank sends
+    the same length."""
+    row = np.full(3 + size, -1, np.int64)
+    row[:3] = (code, total, len(sizes))
+    shown = sizes[:size]
+    row[3 : 3 + len(shown)] = shown
+    return row
+
+
+def _disagreement(table: np.ndarray, what: str, size: int) -> str:
+    """The error every rank raises when the ranks' partitions differ."""
+    lines = []
+    for r, row in enumerate(table):
+        code, total, count = (int(v) for v in row[:3])
+        blocks = [int(v) for v in row[3 : 3 + min(count, size)]]
+        shown = "(not integers)" if code == 3 else str(blocks)[:-1] + (", …]" if count > size else "]")
+        note = f" ({_PROBLEMS[code]})" if code else ""
+        lines.append(f"rank {r}: {shown} of {total} indices{note}")
+    return (f"distlinalg.operators: the ranks passed different {what}s; every rank must pass the same "
+            f"one (one non-negative block size per rank, adding up to the total):\n  " + "\n  ".join(lines))
 
 
 def partition_of_local_sizes(local: int, comm: Communicator) -> Partition:

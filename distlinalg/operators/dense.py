@@ -73,10 +73,10 @@ def dense_rows(
     row_partition = partition_of_local_sizes(rows.shape[0], comm)
     n_total = rows.shape[1]
     square = row_partition.total == n_total
-    if column_partition is None and square:
-        col_partition = row_partition
-    else:
-        col_partition = resolve_partition(column_partition, n_total, comm, "column_partition")
+    # Resolved (and compared across ranks) on every rank, also when it is
+    # the row partition: `square` depends on this rank's block.
+    col_partition = resolve_partition(row_partition if column_partition is None and square else column_partition,
+                                      n_total, comm, "column_partition")
     dtype = rows.dtype
 
     def matvec(x: Any) -> Any:
@@ -130,10 +130,10 @@ def dense_columns(
     col_partition = partition_of_local_sizes(columns.shape[1], comm)
     m_total = columns.shape[0]
     square = col_partition.total == m_total
-    if row_partition is None and square:
-        out_partition = col_partition
-    else:
-        out_partition = resolve_partition(row_partition, m_total, comm, "row_partition")
+    # Resolved (and compared across ranks) on every rank, also when it is
+    # the column partition: `square` depends on this rank's block.
+    out_partition = resolve_partition(col_partition if row_partition is None and square else row_partition,
+                                      m_total, comm, "row_partition")
     dtype = columns.dtype
 
     def matvec(x: Any) -> Any:

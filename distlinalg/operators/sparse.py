@@ -390,10 +390,10 @@ def sparse_rows(
         indptr = indptr[first : last + 1] - begin
     if indices.size and (indices.min() < 0 or indices.max() >= n):
         raise ValueError(f"{_NAME}: column indices must lie in [0, {n}), got [{indices.min()}, {indices.max()}]")
-    if column_partition is None and rows.total == n:
-        columns = rows
-    else:
-        columns = resolve_partition(column_partition, n, comm, "column_partition")
+    # Resolved (and compared across ranks) on every rank, also when it is
+    # the row partition: n comes from this rank's matrix.
+    columns = resolve_partition(rows if column_partition is None and rows.total == n else column_partition,
+                                n, comm, "column_partition")
     pattern = _Pattern(indices, indptr, rows, columns, comm)
     return SparseRowsOperator(
         data=values if data is None else data, pattern=pattern, symmetric=symmetric, hermitian=hermitian, comm=comm

@@ -3,7 +3,10 @@
 ``cg`` (conjugate gradients, standard or single-reduction) and ``minres``
 (symmetric indefinite, with shift) run inside ``jax.jit`` on replicated or
 sharded vectors, return a :class:`SolverInfo` identical on every rank, and
-differentiate through ``lax.custom_linear_solve`` (one extra solve).
+differentiate through ``lax.custom_linear_solve`` (one extra solve). Their
+loops are steered only by values identical on every rank; inputs that differ
+between ranks stop every rank with ``Reason.DIVERGED_INCONSISTENT_RANKS``,
+invalid arguments raise a ValueError on every rank.
 """
 
 from ._common import Reason, SolverInfo

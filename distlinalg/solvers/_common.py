@@ -8,11 +8,18 @@ Layouts
     disagree about the iteration count, whatever the matvec does.
   * ``"sharded"``: each rank holds its block of rows; the inner products of
     one iteration are stacked into one small vector and allreduced together.
+
+Rule: whatever steers control flow (the iteration limit, the stopping
+threshold, the stopping quantity, failure codes) is identical on every rank
+by construction, i.e. it comes out of an allreduce. Inputs that may differ
+between ranks are compared in-graph (see ``_agreement``); a disagreement
+stops every rank at the same point with ``Reason.DIVERGED_INCONSISTENT_RANKS``.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -21,13 +28,32 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._mpi import Communicator, ReduceOp, resolve_comm
+from ..comm.allgather import allgather
 from ..comm.allreduce import allreduce
 
 LAYOUTS = ("replicated", "sharded")
 
 
 class Reason(enum.IntEnum):
-    """Why a solve stopped. Values follow PETSc's KSPConvergedReason."""
+    """Why a solve stopped. Values follow PETSc's KSPConvergedReason.
+
+    ``DIVERGED_INCONSISTENT_RANKS`` (-20, not a PETSc code) is distlinalg's
+    own: the ranks did not agree, so every rank stopped at the same point
+    without a trustworthy answer. Raised when
+      * rtol, atol or maxiter differ between ranks, or a traced value of
+        them is invalid (NaN, negative, non-finite) on some rank;
+      * replicated layout: the right-hand side differs between ranks (its
+        size, norm or a fixed random projection, compared to about half the
+        working precision);
+      * replicated layout: the stopping quantity (residual norm) or the
+        curvature of the first Krylov direction differs between ranks in the
+        first iteration beyond what rounding explains: a "replicated"
+        operator that is in fact rank-local (e.g. a Gram matrix of each
+        rank's own samples without the allreduce).
+    These checks are one-sided evidence: passing them does not prove that the
+    operator is identical on every rank (an operator that differs only by a
+    scale factor is caught only through the curvature).
+    """
 
     CONVERGED_RTOL = 2
     CONVERGED_ATOL = 3
@@ -38,6 +64,7 @@ class Reason(enum.IntEnum):
     DIVERGED_INDEFINITE_PC = -8
     DIVERGED_NANORINF = -9
     DIVERGED_INDEFINITE_MAT = -10
+    DIVERGED_INCONSISTENT_RANKS = -20
 
 
 class SolverInfo(NamedTuple):
@@ -62,9 +89,12 @@ class SolverInfo(NamedTuple):
 
 # ---------------------------------------------------------------------------
 # Operators
-def as_matvec(A: Any, layout: str) -> Callable[[Any], Any]:
+def as_matvec(A: Any, layout: str, like: Any = None, what: str = "A") -> Callable[[Any], Any]:
     """A callable, a dense array (rows of this rank in the sharded layout is
-    NOT supported for dense arrays: pass an operator) or a distlinalg operator."""
+    NOT supported for dense arrays: pass an operator) or a distlinalg operator.
+
+    A dense A must fit the right-hand side `like` (when given).
+    """
     op_layout = getattr(A, "layout", None)
     if op_layout is not None and hasattr(A, "matvec"):
         if op_layout != layout:
@@ -77,13 +107,21 @@ def as_matvec(A: Any, layout: str) -> Callable[[Any], Any]:
         return A
     A = jnp.asarray(A)
     if A.ndim != 2 or A.shape[0] != A.shape[1]:
-        raise ValueError(f"distlinalg: a dense A must be a square matrix, got shape {A.shape}")
+        raise ValueError(f"distlinalg: a dense {what} must be a square matrix, got shape {A.shape}")
     if layout != "replicated":
         raise ValueError(
-            "distlinalg: a dense array A is a replicated operator (every rank holds all of A); "
+            f"distlinalg: a dense array {what} is a replicated operator (every rank holds all of it); "
             "use layout='replicated' or a sharded operator from distlinalg.operators"
         )
+    if like is not None and not _fits_dense(A, like):
+        shapes = [jnp.shape(leaf) for leaf in jax.tree_util.tree_leaves(like)]
+        raise ValueError(f"distlinalg: a dense {what} of shape {A.shape} does not fit b (leaf shapes {shapes})")
     return lambda v: A @ v
+
+
+def _fits_dense(A: jax.Array, like: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(like)
+    return len(leaves) == 1 and jnp.ndim(leaves[0]) >= 1 and jnp.shape(leaves[0])[0] == A.shape[1]
 
 
 def identity(v: Any) -> Any:
@@ -168,17 +206,93 @@ class Reductions:
             return value
         return allreduce(value, "max", comm=self.comm)
 
-    def agree(self, value: Any) -> Any:
-        """The max over ranks of a local stopping quantity (replicated layout).
+    def agree(self, value: Any, failure: Any, also: Sequence[Any] = (), probe: Any = None) -> "Agreed":
+        """Replicated layout: the stopping quantities made identical on every rank.
 
         Local inner products of replicated vectors agree on every rank only if
-        the matvec returns bitwise identical vectors everywhere; this makes the
-        stopping decision identical regardless. Sharded values already agree.
+        the matvec returns bitwise identical vectors everywhere; one fused
+        max-allreduce of (v, −v, −code, *also[, p, −p, scale]) makes the stopping
+        decision identical regardless: failure codes are ≤ 0, so the most
+        negative wins everywhere. The minima (−max of −v) come in the same
+        message, for `inconsistent`. `value`, `also` and `probe` are real
+        scalars of one dtype; `probe` is ``(p, scale)``. Sharded values (and a
+        single rank's) already agree: no message.
+
+        Every rank decides from the same message, and a NaN on some rank
+        always comes with a failure code (the callers' contract), so no
+        decision depends on how MPI orders NaNs in its max.
         """
         if self.layout == "sharded" or self.comm.size == 1:
-            return value
+            p, scale = probe if probe is not None else (None, None)
+            return Agreed(value, value, failure.astype(jnp.int32), list(also), p, p, scale, compared=False)
+        dtype = value.dtype
+        entries = [value, -value, -failure.astype(dtype), *[jnp.asarray(a, dtype) for a in also]]
+        if probe is not None:
+            entries += [probe[0], -probe[0], probe[1]]
         self.count += 1
-        return allreduce(value, "max", comm=self.comm)
+        m = allreduce(jnp.stack([jnp.asarray(e, dtype) for e in entries]), "max", comm=self.comm)
+        n = 3 + len(also)
+        code = (-m[2]).astype(jnp.int32)
+        also_max = [m[3 + i] for i in range(len(also))]
+        if probe is None:
+            return Agreed(m[0], -m[1], code, also_max, None, None, None, compared=True)
+        return Agreed(m[0], -m[1], code, also_max, m[n], -m[n + 1], m[n + 2], compared=True)
+
+
+class Agreed(NamedTuple):
+    """What `Reductions.agree` returns: maxima (and minima) over ranks."""
+
+    value: Any  # max of the stopping quantity
+    low: Any  # its min
+    failure: Any  # agreed failure code (int32)
+    also: list  # max of each extra scalar
+    probe: Any  # max of the probe (None without one)
+    probe_low: Any
+    probe_scale: Any
+    compared: bool  # whether the ranks' values met in a message (else nothing to compare)
+
+
+def consistency_tolerance(dtype: Any) -> float:
+    """Relative tolerance of the cross-rank comparisons: 8 √eps of `dtype`.
+
+    Legitimately replicated values differ only by rounding (ranks may run
+    different XLA thread counts, so reductions round differently); that is
+    a few eps, amplified in the first Krylov step by at most about κ(A) eps.
+    8 √eps (1.2e-7 in float64, 2.8e-3 in float32) leaves room for
+    κ up to about 1/√eps, yet any real difference between ranks' data
+    (another sample set, another b) is orders of magnitude larger.
+    """
+    return 8.0 * math.sqrt(float(jnp.finfo(dtype).eps))
+
+
+def inconsistent(agreed: Agreed, enabled: Any, scale: Any, squared: bool) -> Any:
+    """Whether the ranks' stopping quantities (and probes) disagree beyond rounding.
+
+    Compares ‖r‖_max with ‖r‖_min (√ of the agreed squares when `squared`)
+    relative to max(`scale`, ‖r‖_max), `scale` being ‖b‖: an absolute
+    comparison in units of the right-hand side, so a residual that has
+    already dropped by many orders (where rounding dominates it) never
+    trips it. The probe (the curvature of the step) is compared relative to
+    its own scale. Only called in the first iterations (`enabled`): later,
+    rank-dependent rounding legitimately makes replicated Krylov runs drift
+    apart (CG and MINRES amplify it exponentially on ill-conditioned
+    problems), while a rank-local operator shows in the first step.
+    Identical on every rank: computed from one message.
+    """
+    if not agreed.compared:  # sharded layout or one rank: the values are global already
+        return jnp.bool_(False)
+    tol = consistency_tolerance(agreed.value.dtype)
+    high, low = agreed.value, agreed.low
+    if squared:
+        high, low = jnp.sqrt(jnp.maximum(high, 0)), jnp.sqrt(jnp.maximum(low, 0))
+    differ = jnp.abs(high - low) > tol * jnp.maximum(scale, high)
+    if agreed.probe is not None:
+        differ = differ | (jnp.abs(agreed.probe - agreed.probe_low) > tol * agreed.probe_scale)
+    return enabled & (agreed.failure == Reason.ITERATING) & differ
+
+
+def mark_inconsistent(failure: Any, flag: Any) -> Any:
+    return jnp.where(flag, jnp.int32(Reason.DIVERGED_INCONSISTENT_RANKS), failure).astype(jnp.int32)
 
 
 def stopping_threshold(b_norm: Any, rtol: Any, atol: Any) -> tuple[Any, Any]:
@@ -187,19 +301,87 @@ def stopping_threshold(b_norm: Any, rtol: Any, atol: Any) -> tuple[Any, Any]:
     return jnp.maximum(rtol_part, atol), atol >= rtol_part
 
 
-def resolve_tolerances(tol: Any, rtol: Any, atol: Any) -> tuple[Any, Any]:
+INT32_MAX = 2**31 - 1
+
+
+def is_traced(value: Any) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def resolve_tolerances(tol: Any, rtol: Any, atol: Any) -> tuple[Any, Any, Any]:
+    """(rtol, atol, invalid): checked tolerances.
+
+    Python (and other concrete) numbers are checked here and raise a
+    ValueError at trace time (on every rank: `setup` runs this `collectively`).
+    Traced values cannot be checked before the program runs: `invalid` is
+    then a traced bool that the input agreement turns into
+    ``DIVERGED_INCONSISTENT_RANKS`` on every rank (False when all are concrete).
+    """
     if tol is not None:
         rtol = tol
-    if np.ndim(rtol) or np.ndim(atol):
-        raise ValueError("distlinalg: rtol and atol must be scalars")
-    return rtol, atol
+    invalid: Any = False
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if np.ndim(value):
+            raise ValueError(f"distlinalg: {name} must be a scalar, got shape {np.shape(value)}")
+        dtype = _dtype_of(value)
+        if dtype is None or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)) \
+                or dtype == jnp.bool_:
+            raise ValueError(f"distlinalg: {name} must be a real number, got {value!r}")
+        if is_traced(value):
+            invalid = invalid | ~jnp.isfinite(value) | (value < 0)
+        elif not (math.isfinite(float(value)) and float(value) >= 0):
+            raise ValueError(f"distlinalg: {name} must be a finite number >= 0, got {value!r}")
+    if not is_traced(rtol) and not is_traced(atol):
+        if float(rtol) == 0 and float(atol) == 0:
+            raise ValueError("distlinalg: rtol or atol must be positive (both are 0: nothing could converge)")
+    else:
+        invalid = invalid | ((rtol == 0) & (atol == 0))
+    return rtol, atol, invalid
 
 
-def default_maxiter(b: Any, layout: str, comm: Communicator) -> int:
-    n = sum(int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(b))
-    if layout == "sharded":
-        n *= comm.size
-    return 10 * n
+def _dtype_of(value: Any) -> Any:
+    """The dtype of a scalar argument, or None for something that is not a number."""
+    try:
+        return jnp.result_type(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def check_maxiter(maxiter: Any) -> tuple[Any, Any]:
+    """(maxiter, invalid): None, a Python int (clamped to int32), or a traced int32.
+
+    A negative or non-integer concrete value raises (trace time, every
+    rank); a traced value must have an integer dtype, and a negative one is
+    flagged in-graph like a bad traced tolerance.
+    """
+    if maxiter is None:
+        return None, False
+    if np.ndim(maxiter):
+        raise ValueError(f"distlinalg: maxiter must be a scalar, got shape {np.shape(maxiter)}")
+    dtype = _dtype_of(maxiter)
+    if isinstance(maxiter, bool) or dtype is None or dtype == jnp.bool_ or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"distlinalg: maxiter must be an integer, got {maxiter!r}")
+    if is_traced(maxiter):
+        # The loop counter is int32: clamp, after noting a negative value.
+        return jnp.clip(maxiter, 0, INT32_MAX).astype(jnp.int32), maxiter < 0
+    if int(maxiter) < 0:
+        raise ValueError(f"distlinalg: maxiter must be >= 0, got {maxiter!r}")
+    return min(int(maxiter), INT32_MAX), False
+
+
+def global_size(b: Any) -> int:
+    """Entries of this rank's `b` (all leaves)."""
+    return sum(int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(b))
+
+
+def default_maxiter(b: Any) -> int:
+    """Replicated layout: 10 × the size of b, the same on every rank.
+
+    (The input agreement checks that b's size agrees. The sharded default,
+    10 × ranks × the largest block, needs the blocks of every rank, so it
+    comes out of the agreement message: `_agreement._sharded_default`.)
+    """
+    return min(10 * global_size(b), INT32_MAX)
 
 
 def new_history(size: int, dtype: Any) -> Any:
@@ -220,7 +402,7 @@ def monitor_print(name: str, comm: Communicator, enabled: bool, k: Any, rnorm: A
         jax.debug.print(name + " {k:4d} KSP Residual norm {r:.12e}", k=k, r=rnorm, ordered=True)
 
 
-def finish_reason(converged_atol: Any, converged: Any, k: Any, maxiter: int, reason: Any) -> Any:
+def finish_reason(converged_atol: Any, converged: Any, k: Any, maxiter: Any, reason: Any) -> Any:
     """The final reason code from the loop state."""
     final = jnp.where(
         reason != Reason.ITERATING,
@@ -234,20 +416,24 @@ def finish_reason(converged_atol: Any, converged: Any, k: Any, maxiter: int, rea
     return final.astype(jnp.int32)
 
 
-def resolve(comm: Any, layout: str) -> tuple[Communicator, str]:
-    return resolve_comm(comm), check_layout(layout)
-
-
 class Problem(NamedTuple):
-    """A solve's validated inputs (shared by every method)."""
+    """A solve's validated inputs (shared by every method).
+
+    rtol, atol and maxiter are this rank's values: the iteration uses the
+    ones agreed across ranks (`_agreement.agree_inputs`). `maxiter` is None
+    for the default. `invalid` says that a traced rtol, atol or maxiter is
+    invalid on this rank (a traced bool; False when all are concrete, which
+    `setup` has checked).
+    """
 
     matvec: Callable[[Any], Any]
     precond: Callable[[Any], Any]
     x0: Any
     rtol: Any
     atol: Any
-    maxiter: int
+    maxiter: Any
     reductions: Reductions
+    invalid: Any
 
 
 def setup(A: Any, b: Any, x0: Any, M: Any, tol: Any, rtol: Any, atol: Any, maxiter: Any,
@@ -255,23 +441,70 @@ def setup(A: Any, b: Any, x0: Any, M: Any, tol: Any, rtol: Any, atol: Any, maxit
     """Resolve and check the arguments common to cg and minres (trace time).
 
     A distlinalg operator brings its layout and communicator: ``layout=None``
-    and ``comm=None`` take them from `A`.
+    and ``comm=None`` take them from `A`. Every check is collective (see
+    `collectively`): an argument that is invalid on some rank raises a
+    ValueError on every rank.
     """
     is_operator = hasattr(A, "matvec") and getattr(A, "layout", None) is not None
     if layout is None:
         layout = A.layout if is_operator else "replicated"
     if comm is None and is_operator:
         comm = getattr(A, "comm", None)
-    comm, layout = resolve(comm, layout)
-    matvec = as_matvec(A, layout)
-    precond = identity if M is None else as_matvec(M, layout)
-    rtol, atol = resolve_tolerances(tol, rtol, atol)
-    if x0 is None:
-        x0 = jax.tree_util.tree_map(jnp.zeros_like, b)
-    check_same_structure(b, x0)
-    if maxiter is None:
-        maxiter = default_maxiter(b, layout, comm)
-    return Problem(matvec, precond, x0, rtol, atol, int(maxiter), Reductions(layout, comm))
+    comm = resolve_comm(comm)
+
+    def build() -> Problem:
+        checked_layout = check_layout(layout)
+        rtol_, atol_, bad_tolerance = resolve_tolerances(tol, rtol, atol)
+        maxiter_, bad_maxiter = check_maxiter(maxiter)
+        x0_ = jax.tree_util.tree_map(jnp.zeros_like, b) if x0 is None else x0
+        check_same_structure(b, x0_)
+        matvec = as_matvec(A, checked_layout, b, "A")
+        precond = identity if M is None else as_matvec(M, checked_layout, b, "M")
+        return Problem(matvec, precond, x0_, rtol_, atol_, maxiter_, Reductions(checked_layout, comm),
+                       bad_tolerance | bad_maxiter)
+
+    return collectively(build, comm)
+
+
+_MESSAGE_BYTES = 256
+
+
+def collectively(build: Callable[[], Any], comm: Communicator) -> Any:
+    """`build()`, with its ValueError raised on every rank if it is raised on any.
+
+    Argument checks run at trace time on each rank, and the arguments of a
+    replicated solve can differ between ranks (a b built by rank-dependent
+    code): a rank raising alone would leave the others blocked in the
+    solve's first allreduce. So the ranks exchange their outcome (one small
+    eager allgather of the error messages, at trace time, like the size
+    exchanges of the operators; it is ordered after what the rank dispatched
+    before): a rank whose arguments are invalid raises its own error, the
+    others an error naming it and its message.
+    """
+    try:
+        value, error = build(), None
+    except ValueError as raised:
+        value, error = None, raised
+    if comm.size > 1:
+        messages = _exchange_messages("" if error is None else str(error), comm)
+        failed = [r for r, message in enumerate(messages) if message]
+        if failed and error is None:
+            details = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+            raise ValueError(f"distlinalg: invalid solver arguments on rank(s) {failed} ({details})")
+    if error is not None:
+        raise error
+    return value
+
+
+def _exchange_messages(message: str, comm: Communicator) -> list[str]:
+    """Every rank's `message` (cut to 255 bytes), on every rank, at trace time."""
+    data = message.encode()[: _MESSAGE_BYTES - 1]
+    row = np.zeros(_MESSAGE_BYTES, np.uint8)
+    row[0] = len(data)
+    row[1 : 1 + len(data)] = np.frombuffer(data, np.uint8)
+    with jax.ensure_compile_time_eval():
+        table = np.asarray(allgather(jnp.asarray(row), comm=comm))
+    return [bytes(r[1 : 1 + int(r[0])]).decode(errors="replace") for r in table]
 
 
 # ---------------------------------------------------------------------------

@@ -6,6 +6,11 @@ differentiating through the iterations, and runs every solve on a
 right-hand side scaled to a largest entry of 1 (tiny cotangents would
 otherwise underflow in the squared norms; the stopping test is scaled with it, so the
 criterion ||r|| <= max(rtol ||b||, atol) is unchanged).
+
+Before any of that, the ranks agree on the inputs (`_agreement`: one small
+allreduce per solve, on the user's b): the iteration gets the agreed
+tolerances and iteration limit, and inputs that disagree skip the iteration
+on every rank (``Reason.DIVERGED_INCONSISTENT_RANKS``).
 """
 
 from __future__ import annotations
@@ -18,28 +23,36 @@ import jax.numpy as jnp
 
 from ..ad.grad import sum_tree_over_ranks
 from . import _common as C
+from ._agreement import agree_inputs
 
 
 def krylov_solve(
     iterate: Callable[..., tuple[Any, C.SolverInfo]],
     matvec: Callable[[Any], Any],
     b: Any,
-    x0: Any,
+    problem: C.Problem,
     *,
-    atol: Any,
-    reductions: C.Reductions,
+    history: int,
 ) -> tuple[Any, C.SolverInfo]:
-    """Solve A x = b with `iterate(matvec, b, x0, atol) -> (x, info)`.
+    """Solve A x = b with `iterate(matvec, b, x0, rtol, atol, maxiter, start) -> (x, info)`.
 
+    `start` is the reason code to start from (ITERATING, or
+    DIVERGED_INCONSISTENT_RANKS, which ends the loop before its first step);
+    `history` is the length of ``info.history`` the iteration returns.
     x0 and everything the iteration closes over other than `matvec` (the
     preconditioner, tolerances) are not differentiated.
     """
-    x0 = jax.lax.stop_gradient(x0)
+    reductions = problem.reductions
+    x0 = jax.lax.stop_gradient(problem.x0)
     complex_system = any(jnp.iscomplexobj(leaf) for leaf in jax.tree_util.tree_leaves(b))
+    # Agreed once, on the primal b; the tangent and transposed solves reuse
+    # the verdict (their right-hand sides may differ between ranks).
+    agreed = agree_inputs(b, problem)
+    start = jnp.where(agreed.consistent, C.Reason.ITERATING, C.Reason.DIVERGED_INCONSISTENT_RANKS).astype(jnp.int32)
 
     replicated_ranks = reductions.comm.size if reductions.layout == "replicated" else 1
 
-    def solve(mv: Callable[[Any], Any], rhs: Any) -> tuple[Any, C.SolverInfo]:
+    def run(mv: Callable[[Any], Any], rhs: Any) -> tuple[Any, C.SolverInfo]:
         if replicated_ranks > 1:
             # The replicated solve is x_r = A⁻¹ mean_s(b_s) on every rank: the
             # same as A⁻¹ b for the replicated b of a primal solve, and the
@@ -53,12 +66,30 @@ def krylov_solve(
         # scale 1 (the iteration then reports it).
         largest = reductions.max_abs(rhs)
         scale = jnp.where((largest > 0) & jnp.isfinite(largest), largest, jnp.ones_like(largest))
-        x, info = iterate(mv, C.tree_scale(1 / scale, rhs), C.tree_scale(1 / scale, x0), atol / scale)
+        x, info = iterate(mv, C.tree_scale(1 / scale, rhs), C.tree_scale(1 / scale, x0), agreed.rtol,
+                          agreed.atol / scale, agreed.maxiter, start)
         info = info._replace(
             residual_norm=info.residual_norm * scale,
             history=None if info.history is None else info.history * scale,
         )
-        return C.tree_scale(scale, x), info
+        return _cast_like(C.tree_scale(scale, x), x0), _canonical(info, rhs)
+
+    def skip(mv: Callable[[Any], Any], rhs: Any) -> tuple[Any, C.SolverInfo]:
+        """Inputs that disagree: no matvec, no message, x0 back (every rank takes it)."""
+        dtype = _real_dtype(rhs)
+        nan = jnp.full((), jnp.nan, dtype)
+        info = C.SolverInfo(jnp.int32(0), nan, jnp.bool_(False), jnp.int32(C.Reason.DIVERGED_INCONSISTENT_RANKS),
+                            C.new_history(history, dtype))
+        return x0, info
+
+    def solve(mv: Callable[[Any], Any], rhs: Any) -> tuple[Any, C.SolverInfo]:
+        if agreed.consistent is True:
+            return run(mv, rhs)
+        # The predicate is identical on every rank, so all take the same
+        # branch: a b whose size differs between ranks never reaches the
+        # b-sized collectives (averaging, the operator's own). Under vmap the
+        # cond becomes a select of both branches; `start` still stops the loop.
+        return jax.lax.cond(agreed.consistent, lambda r: run(mv, r), lambda r: skip(mv, r), rhs)
 
     if complex_system:
         # Hermitian A: Aᵀ v = conj(A conj(v)), so the transposed solve is the
@@ -72,3 +103,24 @@ def krylov_solve(
             matvec, b, solve, transpose_solve=transpose_solve, symmetric=False, has_aux=True
         )
     return jax.lax.custom_linear_solve(matvec, b, solve, symmetric=True, has_aux=True)
+
+
+def _real_dtype(tree: Any) -> Any:
+    dtype = C.scalar_dtype(tree)
+    return jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.result_type(float)
+
+
+def _cast_like(x: Any, like: Any) -> Any:
+    return jax.tree_util.tree_map(lambda v, ref: v.astype(ref.dtype), x, like)
+
+
+def _canonical(info: C.SolverInfo, rhs: Any) -> C.SolverInfo:
+    """Info fields with fixed dtypes, so that `run` and `skip` match under lax.cond."""
+    dtype = _real_dtype(rhs)
+    return C.SolverInfo(
+        jnp.asarray(info.iterations, jnp.int32),
+        jnp.asarray(info.residual_norm, dtype),
+        jnp.asarray(info.converged, jnp.bool_),
+        jnp.asarray(info.reason, jnp.int32),
+        None if info.history is None else jnp.asarray(info.history, dtype),
+    )

@@ -61,8 +61,11 @@ def cg(
       b: right-hand side, a pytree of arrays. Replicated layout: the whole
         vector, identical on every rank. Sharded: this rank's block of rows.
       x0: initial guess shaped like `b` (default zeros); not differentiated.
-      rtol, atol: stop when ‖b − A x‖₂ ≤ max(rtol ‖b‖₂, atol) (global norms).
-      maxiter: iteration limit (default 10 × the global size).
+      rtol, atol: stop when ‖b − A x‖₂ ≤ max(rtol ‖b‖₂, atol) (global norms);
+        finite, ≥ 0, not both 0.
+      maxiter: iteration limit, an int ≥ 0 (default 10 × the global size;
+        sharded layout: 10 × ranks × the largest block, agreed in-graph, so
+        it is the same on every rank even when the blocks differ).
       M: preconditioner, a callable approximating A⁻¹ (HPD) in the same layout
         (e.g. :func:`distlinalg.solvers.jacobi`); not differentiated.
       layout: ``"replicated"`` or ``"sharded"`` (see distlinalg.solvers);
@@ -79,6 +82,18 @@ def cg(
       ``(x, info)``: x shaped like `b` (same layout), and a
       :class:`SolverInfo` identical on every rank. ``info.residual_norm`` is
       the recurrence residual (not recomputed from b − A x).
+
+    Ranks that disagree never hang: the loop's bounds and stopping tests are
+    identical on every rank by construction. Once per solve one small
+    allreduce compares rtol, atol and maxiter (and, replicated layout, the
+    size, norm and a projection of b); in the first iteration the replicated
+    layout also compares the residual norm and the curvature ⟨p, A p⟩ (in
+    the message each iteration sends anyway). A disagreement, or a traced
+    tolerance that is invalid on some rank, stops every rank with
+    ``Reason.DIVERGED_INCONSISTENT_RANKS`` (x = x0 when caught before the
+    first step). Arguments that can be checked at trace time (Python-number
+    tolerances, layout, shapes) raise a ValueError on every rank, also when
+    they are invalid on one rank only.
 
     AD: wrapped in ``lax.custom_linear_solve``: JVPs and gradients with
     respect to b and to whatever A's matvec closes over (including values
@@ -98,28 +113,44 @@ def cg(
     p = C.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
     body = _standard if method == "standard" else _single_reduction
 
-    def iterate(mv, rhs, x_init, atol_scaled):
-        return body(mv, rhs, x_init, p.precond, p.rtol, atol_scaled, p.maxiter, p.reductions, history, monitor)
+    def iterate(mv, rhs, x_init, rtol_agreed, atol_scaled, maxiter_agreed, start):
+        return body(mv, rhs, x_init, p.precond, rtol_agreed, atol_scaled, maxiter_agreed, start, p.reductions,
+                    history, monitor)
 
-    return krylov_solve(iterate, p.matvec, b, p.x0, atol=p.atol, reductions=p.reductions)
+    return krylov_solve(iterate, p.matvec, b, p, history=history)
 
 
 def _status(rr_agreed: Any, threshold: Any, k: Any) -> Any:
     return jnp.sqrt(rr_agreed) <= threshold
 
 
-def _standard(matvec, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, history, monitor):
+def _start(red: C.Reductions, rr: Any, bb: Any, failure: Any, start: Any, probe: Any = None):
+    """The agreed initial state: (‖r₀‖², ‖b‖ (both identical on every rank), failure code).
+
+    Replicated layout: one message carries ‖r₀‖² (max and min), the failure
+    code, ‖b‖² (so the stopping threshold is the same everywhere, not just
+    up to each rank's rounding of a local inner product) and the probe; a
+    disagreement beyond rounding is DIVERGED_INCONSISTENT_RANKS.
+    """
+    failure = jnp.where(start != Reason.ITERATING, start, failure)
+    agreed = red.agree(rr, failure, also=[bb], probe=probe)
+    b_norm = jnp.sqrt(agreed.also[0])
+    failure = C.mark_inconsistent(agreed.failure, C.inconsistent(agreed, True, b_norm, squared=True))
+    return agreed.value, b_norm, failure
+
+
+def _standard(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, history, monitor):
     real = lambda v: jnp.real(v)  # noqa: E731  (⟨·,·⟩ of HPD systems is real)
     r = C.tree_sub(b, matvec(x0))
     z = precond(r)
     gamma, rr, bb = map(real, red.dots([(r, z), (r, r), (b, b)]))
-    threshold, from_atol = C.stopping_threshold(jnp.sqrt(bb), rtol, atol)
-    rr = red.agree(rr)
+    nonfinite0 = ~jnp.isfinite(rr) | ~jnp.isfinite(gamma)
+    failure0 = jnp.where(nonfinite0, Reason.DIVERGED_NANORINF, Reason.ITERATING).astype(jnp.int32)
+    rr, b_norm, reason0 = _start(red, rr, bb, failure0, start)
+    threshold, from_atol = C.stopping_threshold(b_norm, rtol, atol)
     dtype = rr.dtype
     hist = C.record(C.new_history(history, dtype), 0, jnp.sqrt(rr))
     C.monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
-    nonfinite0 = ~jnp.isfinite(rr) | ~jnp.isfinite(gamma)
-    reason0 = jnp.where(nonfinite0, Reason.DIVERGED_NANORINF, Reason.ITERATING).astype(jnp.int32)
     state = (x0, r, z, z, gamma, rr, jnp.int32(0), reason0, hist)
 
     def keep_going(s):
@@ -148,7 +179,8 @@ def _standard(matvec, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, hi
             jnp.where(~jnp.isfinite(rr_new) | ~jnp.isfinite(gamma_new), Reason.DIVERGED_NANORINF,
                       jnp.where(gamma_new < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING)),
         )
-        rr_new, failure = _agree(red, rr_new, failure)
+        # First step: also compare ‖r₁‖ and the curvature ⟨p, A p⟩ across ranks.
+        rr_new, failure = _agree(red, rr_new, failure, k == 0, b_norm, (pq, jnp.abs(pq)))
         ok = failure == Reason.ITERATING
         p = C.tree_scale_add(z, gamma_new / gamma, p)
         gamma = jnp.where(ok, gamma_new, gamma)
@@ -164,25 +196,26 @@ def _standard(matvec, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, hi
     return x, SolverInfo(k, jnp.sqrt(rr), converged, reason, hist)
 
 
-def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, history, monitor):
+def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, history, monitor):
     real = lambda v: jnp.real(v)  # noqa: E731
     r = C.tree_sub(b, matvec(x0))
     u = precond(r)
     w = matvec(u)
     gamma, delta, rr, bb = map(real, red.dots([(r, u), (u, w), (r, r), (b, b)]))
-    threshold, from_atol = C.stopping_threshold(jnp.sqrt(bb), rtol, atol)
-    rr = red.agree(rr)
+    nonfinite0 = ~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta)
+    curvature0 = jnp.where(delta > 0, Reason.ITERATING,
+                           jnp.where(delta < 0, Reason.DIVERGED_INDEFINITE_MAT, Reason.DIVERGED_BREAKDOWN))
+    failure0 = jnp.where(nonfinite0, Reason.DIVERGED_NANORINF, curvature0).astype(jnp.int32)
+    # The first matvec of A u₀ is here: ⟨u₀, A u₀⟩ is the curvature probe.
+    rr, b_norm, failure0 = _start(red, rr, bb, failure0, start, probe=(delta, jnp.abs(delta)))
+    threshold, from_atol = C.stopping_threshold(b_norm, rtol, atol)
     hist = C.record(C.new_history(history, rr.dtype), 0, jnp.sqrt(rr))
     C.monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
     alpha = gamma / delta
     zeros = jax.tree_util.tree_map(jnp.zeros_like, b)
-    reason0 = jnp.where(
-        ~jnp.isfinite(rr) | ~jnp.isfinite(gamma),
-        Reason.DIVERGED_NANORINF,
-        jnp.where(_status(rr, threshold, 0) | (delta > 0), Reason.ITERATING,
-                  jnp.where(delta < 0, Reason.DIVERGED_INDEFINITE_MAT, Reason.DIVERGED_BREAKDOWN)),
-    )
-    reason0 = _agree_failure(red, reason0.astype(jnp.int32))
+    # Already converged at x0: a vanishing curvature is harmless then.
+    curvature_only = (failure0 == Reason.DIVERGED_INDEFINITE_MAT) | (failure0 == Reason.DIVERGED_BREAKDOWN)
+    reason0 = jnp.where(curvature_only & _status(rr, threshold, 0), Reason.ITERATING, failure0)
     state = (x0, r, u, w, zeros, zeros, alpha, jnp.zeros_like(gamma), gamma, delta, rr, jnp.int32(0),
              reason0.astype(jnp.int32), hist)
 
@@ -216,7 +249,7 @@ def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, red: C.Reduct
                                     jnp.where(gamma_new < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING))),
             ),
         )
-        rr_new, failure = _agree(red, rr_new, failure)
+        rr_new, failure = _agree(red, rr_new, failure, k == 0, b_norm)
         ok = failure == Reason.ITERATING
         # The update of this step used the previous, validated α; a failure
         # detected now only stops the loop (no select over whole vectors).
@@ -235,19 +268,13 @@ def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, red: C.Reduct
     return x, SolverInfo(k, jnp.sqrt(rr), converged, reason, hist)
 
 
-def _agree(red: C.Reductions, rr: Any, failure: Any) -> tuple[Any, Any]:
+def _agree(red: C.Reductions, rr: Any, failure: Any, check: Any, b_norm: Any, probe: Any = None) -> tuple[Any, Any]:
     """Replicated layout: the stopping quantities made identical on every rank.
 
-    One fused allreduce (max) of (‖r‖², −code); failure codes are ≤ 0, so the
-    most negative wins everywhere. Sharded values already agree.
+    One fused allreduce (max) of (‖r‖², −‖r‖², −code[, probe]); failure codes
+    are ≤ 0, so the most negative wins everywhere. Where `check` (the first
+    iteration), ranks whose ‖r‖ (or probe) differ beyond rounding give
+    DIVERGED_INCONSISTENT_RANKS. Sharded values already agree.
     """
-    if red.layout == "sharded" or red.comm.size == 1:
-        return rr, failure
-    both = red.agree(jnp.stack([rr, -failure.astype(rr.dtype)]))
-    return both[0], (-both[1]).astype(jnp.int32)
-
-
-def _agree_failure(red: C.Reductions, failure: Any) -> Any:
-    if red.layout == "sharded" or red.comm.size == 1:
-        return failure
-    return -red.agree(-failure.astype(jnp.int32))
+    agreed = red.agree(rr, failure, probe=probe)
+    return agreed.value, C.mark_inconsistent(agreed.failure, C.inconsistent(agreed, check, b_norm, squared=True))

@@ -62,6 +62,10 @@ def minres(
 
     Returns:
       ``(x, info)`` as for cg; ``info.residual_norm`` is φ̄ (recurrence).
+      The default maxiter and the cross-rank checks are those of cg (ranks
+      that disagree on rtol, atol, maxiter or, replicated layout, on b or on
+      φ̄ and ⟨v₁, A v₁⟩ in the first iteration all stop with
+      ``Reason.DIVERGED_INCONSISTENT_RANKS``; never a hang).
       A singular but consistent system converges to a solution; when the
       Krylov space is exhausted (β = 0) the reason is
       ``CONVERGED_HAPPY_BREAKDOWN`` if the residual is not already below the
@@ -82,27 +86,34 @@ def minres(
     def shifted(v):
         return C.tree_axpy(-shift, v, p.matvec(v))
 
-    def iterate(mv, rhs, x_init, atol_scaled):
+    def iterate(mv, rhs, x_init, rtol_agreed, atol_scaled, maxiter_agreed, start):
         # custom_linear_solve hands back `shifted` (or its transpose) as mv.
-        return _minres(mv, rhs, x_init, p.precond, p.rtol, atol_scaled, p.maxiter, p.reductions, history, monitor)
+        return _minres(mv, rhs, x_init, p.precond, rtol_agreed, atol_scaled, maxiter_agreed, start, p.reductions,
+                       history, monitor)
 
-    return krylov_solve(iterate, shifted, b, p.x0, atol=p.atol, reductions=p.reductions)
+    return krylov_solve(iterate, shifted, b, p, history=history)
 
 
-def _minres(op, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, history, monitor):
+def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, history, monitor):
     real = jnp.real
     r1 = C.tree_sub(b, op(x0))
     y = precond(r1)
     mb = precond(b) if precond is not C.identity else b
     beta1_sq, bnorm_sq = map(real, red.dots([(r1, y), (b, mb)]))
     dtype = beta1_sq.dtype
-    threshold, from_atol = C.stopping_threshold(jnp.sqrt(jnp.abs(bnorm_sq)), rtol, atol)
     failure0 = jnp.where(
-        ~jnp.isfinite(beta1_sq), Reason.DIVERGED_NANORINF,
+        ~jnp.isfinite(beta1_sq) | ~jnp.isfinite(bnorm_sq), Reason.DIVERGED_NANORINF,
         jnp.where(beta1_sq < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING),
     ).astype(jnp.int32)
+    failure0 = jnp.where(start != Reason.ITERATING, start, failure0)
     beta1 = jnp.sqrt(jnp.abs(beta1_sq))
-    phibar, failure0 = _agree(red, beta1, failure0)
+    # One message: φ̄₀ = β₁ (max and min), the code, and ‖b‖²_M, so that the
+    # threshold is identical on every rank (replicated layout).
+    agreed = red.agree(beta1, failure0, also=[jnp.abs(bnorm_sq)])
+    b_norm = jnp.sqrt(agreed.also[0])
+    phibar = agreed.value
+    failure0 = C.mark_inconsistent(agreed.failure, C.inconsistent(agreed, True, b_norm, squared=False))
+    threshold, from_atol = C.stopping_threshold(b_norm, rtol, atol)
     hist = C.record(C.new_history(history, dtype), 0, phibar)
     C.monitor_print("minres", red.comm, monitor, 0, phibar)
 
@@ -154,7 +165,9 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, history,
             Reason.DIVERGED_NANORINF,
             jnp.where(beta_new_sq < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING),
         ).astype(jnp.int32)
-        phibar, failure = _agree(red, phibar, failure)
+        # First step: also compare φ̄₁ and the curvature α₁ = ⟨v₁, A v₁⟩ (relative
+        # to ‖A v₁‖ ≈ (α₁, β₂)) across ranks.
+        phibar, failure = _agree(red, phibar, failure, s["k"] == 0, b_norm, (alfa, jnp.hypot(alfa, beta_new)))
         k = s["k"] + 1
         hist = C.record(s["hist"], k, phibar) if s["hist"] is not None else None
         C.monitor_print("minres", red.comm, monitor, k, phibar)
@@ -172,9 +185,9 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, red: C.Reductions, history,
     return s["x"], SolverInfo(s["k"], s["phibar"], converged, reason, s["hist"])
 
 
-def _agree(red: C.Reductions, value: Any, failure: Any) -> tuple[Any, Any]:
-    """Replicated layout: one fused max-allreduce of (φ̄, −code)."""
-    if red.layout == "sharded" or red.comm.size == 1:
-        return value, failure
-    both = red.agree(jnp.stack([value, -failure.astype(value.dtype)]))
-    return both[0], (-both[1]).astype(jnp.int32)
+def _agree(red: C.Reductions, value: Any, failure: Any, check: Any, b_norm: Any, probe: Any) -> tuple[Any, Any]:
+    """Replicated layout: one fused max-allreduce of (φ̄, −φ̄, −code, probe);
+    in the first iteration (`check`) a disagreement beyond rounding is
+    DIVERGED_INCONSISTENT_RANKS."""
+    agreed = red.agree(value, failure, probe=probe)
+    return agreed.value, C.mark_inconsistent(agreed.failure, C.inconsistent(agreed, check, b_norm, squared=False))
