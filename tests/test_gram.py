@@ -13,6 +13,7 @@ from jax.flatten_util import ravel_pytree
 import distlinalg as dl
 from distlinalg import operators as ops
 from distlinalg.comm import allgather, allreduce, reduce_scatter
+from jacobian_reference import jacobian_rows, splits
 
 VISIBLE, HIDDEN = 4, 3
 
@@ -59,29 +60,20 @@ def non_holomorphic(p, x):
 
 
 MODELS = {
-    "real": (rbm, np.float64),
-    "real-complex-output": (rbm_with_phase, np.float64),
-    "holomorphic": (rbm, np.complex128),
-    "complex": (non_holomorphic, np.complex128),
+    # name: (model, parameter dtype, mode)
+    "real": (rbm, np.float64, "real"),
+    "real-truncated": (rbm_with_phase, np.float64, "real"),  # Re f only (NetKet's "real")
+    "real-params-complex-output": (rbm_with_phase, np.float64, "complex"),
+    "complex-params-real-mode": (rbm, np.complex128, "real"),
+    "holomorphic": (rbm, np.complex128, "holomorphic"),
+    "complex": (non_holomorphic, np.complex128, "complex"),
 }
 
 
 def dense_reference(f, params, everything, mode, center, diag_shift, diag_scale):
     """(S + λ I + ε diag S, diag of that) from the Jacobian of all samples."""
-    flat, unravel = ravel_pytree(params)
-    X = jnp.asarray(everything)
-    if mode == "complex":
-        n = flat.size
-        theta = jnp.concatenate([jnp.real(flat), jnp.imag(flat)])
-        J = jax.jit(jax.jacfwd(lambda t: f(unravel(t[:n] + 1j * t[n:]), X).astype(complex)))(theta)
-    elif mode == "holomorphic":
-        J = jax.jit(jax.jacfwd(lambda t: f(unravel(t), X), holomorphic=True))(flat)
-    else:
-        J = jax.jit(jax.jacfwd(lambda t: f(unravel(t), X)))(flat)
-    J = np.asarray(J)
-    if center:
-        J = J - J.mean(axis=0)
-    S = J.conj().T @ J / J.shape[0]
+    R, _ = jacobian_rows(f, params, everything, mode, center)
+    S = R.conj().T @ R / (R.shape[0] // (2 if mode == "complex" else 1))
     if mode != "holomorphic":
         S = S.real
     d = np.diagonal(S).copy()
@@ -95,8 +87,10 @@ GRAM_CASES = [
     # (model, center, diag_shift, diag_scale, chunk_size)
     ("real", True, 0.0, None, None),
     ("real", False, 0.1, 0.05, 2),
-    ("real-complex-output", True, 0.01, None, None),
-    ("real-complex-output", True, 0.0, 0.1, 3),
+    ("real-truncated", True, 0.01, None, None),
+    ("real-params-complex-output", True, 0.01, None, None),
+    ("real-params-complex-output", True, 0.0, 0.1, 3),
+    ("complex-params-real-mode", True, 0.02, None, 2),
     ("holomorphic", True, 0.0, None, None),
     ("holomorphic", False, 0.02, 0.1, 2),
     ("complex", True, 0.0, None, None),
@@ -106,8 +100,7 @@ GRAM_CASES = [
 
 @pytest.mark.parametrize("model,center,diag_shift,diag_scale,chunk_size", GRAM_CASES)
 def test_gram_against_dense_jacobian(comm, rank, size, model, center, diag_shift, diag_scale, chunk_size):
-    f, dtype = MODELS[model]
-    mode = model.split("-")[0]
+    f, dtype, mode = MODELS[model]
     counts = uneven_counts(size)
     everything, mine = samples_of(counts, rank)
     params = params_of(dtype)
@@ -119,9 +112,11 @@ def test_gram_against_dense_jacobian(comm, rank, size, model, center, diag_shift
 
     flat, unravel = ravel_pytree(params)
     rng = np.random.default_rng(2)
-    v = rng.standard_normal(flat.size) + (1j * rng.standard_normal(flat.size) if mode != "real" else 0)
+    v = rng.standard_normal(flat.size) + (1j * rng.standard_normal(flat.size) if np.iscomplexobj(flat) else 0)
     out, _ = ravel_pytree(jax.jit(op.matvec)(unravel(jnp.asarray(v, flat.dtype))))
-    if mode == "complex":
+    split = splits(params, mode)
+    assert op.real_linear == split
+    if split:
         pair = S @ np.concatenate([v.real, v.imag])
         expected = pair[: flat.size] + 1j * pair[flat.size :]
     else:
@@ -129,7 +124,7 @@ def test_gram_against_dense_jacobian(comm, rank, size, model, center, diag_shift
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-11, atol=1e-12)
 
     diagonal, _ = ravel_pytree(op.diagonal())
-    expected_diagonal = d[: flat.size] + 1j * d[flat.size :] if mode == "complex" else d
+    expected_diagonal = d[: flat.size] + 1j * d[flat.size :] if split else d
     np.testing.assert_allclose(np.asarray(diagonal), expected_diagonal, rtol=1e-11, atol=1e-12)
 
 
@@ -207,7 +202,7 @@ def test_gram_with_sharded_params(comm, rank, size, center, diag_scale, chunk_si
 
 @pytest.mark.parametrize("mode", ["real", "holomorphic", "complex"])
 def test_cg_on_gram_matches_dense_solve(comm, rank, size, mode):
-    f, dtype = MODELS["real-complex-output" if mode == "real" else mode]
+    f, dtype, _ = MODELS["real-params-complex-output" if mode == "real" else mode]
     counts = uneven_counts(size)
     everything, mine = samples_of(counts, rank, seed=6)
     params = params_of(dtype, seed=7)
@@ -298,8 +293,6 @@ def test_gram_bad_input(comm, rank, size):
             ops.gram(rbm, params, X, equal_samples=True, comm=comm)
     with pytest.raises(ValueError, match="one value per local sample"):
         ops.gram(lambda p, x: rbm(p, x)[:, None] * jnp.ones(2), params, X, comm=comm)
-    with pytest.raises(TypeError, match="mode='real' needs real parameters"):
-        ops.gram(rbm, params_of(np.complex128), X, comm=comm)
     with pytest.raises(TypeError, match="needs complex parameters"):
         ops.gram(rbm, params, X, mode="holomorphic", comm=comm)
     with pytest.raises(ValueError, match="mode must be one of"):
