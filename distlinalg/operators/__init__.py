@@ -3,7 +3,8 @@
 Explicit matrices split across ranks (``sparse_rows`` with a halo exchange,
 ``dense_rows`` / ``dense_columns``, the matrix-free ``laplacian_2d``) and
 operators from automatic differentiation of a model on sharded data
-(``gram``: the Jacobian Gram / QGT / Fisher matrix; ``hessian``;
+(``gram``: the Jacobian Gram / QGT / Fisher matrix; ``sample_gram``: its
+samples × samples counterpart for MinSR/SRt; ``hessian``;
 ``gauss_newton``). Every one is a :class:`LinearOperator` with a layout the
 solvers read, and is differentiable with respect to what it closes over.
 """
@@ -13,6 +14,7 @@ from ._partition import Partition
 from .curvature import gauss_newton, hessian
 from .dense import dense_columns, dense_rows
 from .gram import GramOperator, gram
+from .sample_gram import SampleGramOperator, sample_gram
 from .sparse import SparseRowsOperator, sparse_rows
 from .stencil import laplacian_2d
 
@@ -22,6 +24,8 @@ __all__ = [
     "Partition",
     "gram",
     "GramOperator",
+    "sample_gram",
+    "SampleGramOperator",
     "hessian",
     "gauss_newton",
     "sparse_rows",

@@ -24,7 +24,7 @@ from .._mpi import resolve_comm
 from ._base import LinearOperator
 from ._jacobian import LinearisedModel, MODES, tree_map
 
-__all__ = ["gram", "GramOperator", "MODES"]
+__all__ = ["gram", "gram_operator", "GramOperator", "MODES"]
 
 _NAME = "distlinalg.operators.gram"
 
@@ -121,6 +121,11 @@ def gram(
                             sharded_params=sharded_params, where=_NAME)
     if equal_samples and np.any(model.counts != model.counts[0]):
         raise ValueError(f"{_NAME}: equal_samples=True but the ranks hold {model.counts.tolist()} samples")
+    return gram_operator(model, diag_shift, diag_scale)
+
+
+def gram_operator(model: LinearisedModel, diag_shift: Any, diag_scale: Any = None) -> GramOperator:
+    """S + λ I (+ ε diag S) of an already linearised model (see :func:`gram`)."""
     scale_diagonal = gram_diagonal(model) if diag_scale is not None else None
 
     def matvec(v: Any) -> Any:
@@ -134,12 +139,12 @@ def gram(
 
     return GramOperator(
         matvec,
-        input_structure=params,
-        layout="sharded" if sharded_params else "replicated",
+        input_structure=model.from_space(model.theta),
+        layout="sharded" if model.sharded_params else "replicated",
         symmetric=model.mode != "holomorphic",
         hermitian=True,
         real_linear=model.split,
         diagonal=diagonal,
-        comm=comm,
+        comm=model.comm,
         name="GramOperator",
     )

@@ -6,12 +6,14 @@ sharded vectors, return a :class:`SolverInfo` identical on every rank, and
 differentiate through ``lax.custom_linear_solve`` (one extra solve). Their
 loops are steered only by values identical on every rank; inputs that differ
 between ranks stop every rank with ``Reason.DIVERGED_INCONSISTENT_RANKS``,
-invalid arguments raise a ValueError on every rank.
+invalid arguments raise a ValueError on every rank. ``natural_gradient``
+solves the SR / MinSR system of a sharded model in parameter or sample space.
 """
 
 from ._common import Reason, SolverInfo
 from .cg import cg
 from .minres import minres
+from .natural_gradient import natural_gradient
 from .preconditioners import jacobi
 
-__all__ = ["cg", "minres", "jacobi", "Reason", "SolverInfo"]
+__all__ = ["cg", "minres", "natural_gradient", "jacobi", "Reason", "SolverInfo"]

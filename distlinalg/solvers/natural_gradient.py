@@ -1,0 +1,232 @@
+"""The natural-gradient (stochastic reconfiguration) update over all ranks' samples.
+
+    δ = (S + λ I)⁻¹ F,     S = Ōᴴ Ō / N,     F = Ōᴴ ē / N,
+
+with Ō the centred Jacobian of the per-sample outputs (log ψ) and ē the
+centred residuals (local energies) of all N samples on all ranks, in one of
+NetKet's modes (:mod:`distlinalg.operators._jacobian`). Two equivalent
+solves (push-through identity (ŌᴴŌ/N + λ)⁻¹ Ōᴴ = Ōᴴ (ŌŌᴴ/N + λ)⁻¹):
+
+  * parameter space (SR):       (S + λ) δ = F                 n × n
+  * sample space (MinSR, SRt):  (T + λ) x = ē,  δ = Ōᴴ x / N    N·k × N·k,
+    T = Ō Ōᴴ / N,
+
+each rank holding its own samples' rows; the Jacobian is never gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg
+from jax.flatten_util import ravel_pytree
+
+from .._mpi import resolve_comm
+from ..comm.allreduce import allreduce
+from ..operators._jacobian import LinearisedModel, flat_size, tree_map
+from ..operators._partition import allgather_blocks, exchange_sizes, partition_of_local_sizes
+from ..operators.gram import gram_operator
+from ..operators.sample_gram import sample_gram_operator, sample_structure
+from ._common import Reason, SolverInfo, collectively
+from .cg import cg
+from .minres import minres
+
+__all__ = ["natural_gradient", "SPACES", "SOLVERS"]
+
+SPACES = ("auto", "parameters", "samples")
+SOLVERS = ("cg", "minres", "cholesky")
+_NAME = "distlinalg.natural_gradient"
+
+
+# -- the pieces, as in the formulas above ---------------------------------------------
+def residual_rows(model: LinearisedModel, residuals: jax.Array) -> jax.Array:
+    """e as (n_r, k) rows of the mode: Re e ("real"), (Re e, Im e) ("complex"), e."""
+    e = jnp.asarray(residuals)
+    if model.mode == "holomorphic":
+        return e.astype(model.dtype)[:, None]
+    if model.mode == "complex":
+        return jnp.stack([jnp.real(e), jnp.imag(e)], axis=1).astype(model.dtype)
+    return jnp.real(e).astype(model.dtype)[:, None]
+
+
+def centred(model: LinearisedModel, rows: jax.Array) -> jax.Array:
+    """ē = e − mean over every rank's samples (per channel)."""
+    total = jnp.sum(rows, axis=0)
+    if model.comm.size > 1:
+        total = allreduce(total, "sum", comm=model.comm)
+    return rows - total[None, :] / model.n_total
+
+
+def force(model: LinearisedModel, e: jax.Array, centred_input: bool) -> Any:
+    """F = Ōᴴ ē / N, in the mode's parameter space."""
+    return tree_map(lambda g: g / model.n_total, model.adjoint(e, centred_input=centred_input))
+
+
+def choose_space(model: LinearisedModel, space: str) -> str:
+    """"auto": the smaller of the two systems (N·k against n), the same on every rank."""
+    if space != "auto":
+        return space
+    n_params = flat_size(model.theta)
+    if model.sharded_params:
+        n_params = int(exchange_sizes(n_params, model.comm).sum())
+    return "samples" if model.n_total * model.channels < n_params else "parameters"
+
+
+def _dense_solve(matrix: jax.Array, rhs: jax.Array) -> tuple[jax.Array, SolverInfo]:
+    """Cholesky solve of a small Hermitian positive definite system (replicated)."""
+    factor = jax.scipy.linalg.cho_factor(matrix, lower=True)
+    x = jax.scipy.linalg.cho_solve(factor, rhs)
+    residual = jnp.linalg.norm(rhs - matrix @ x)
+    ok = jnp.all(jnp.isfinite(x))
+    info = SolverInfo(
+        iterations=jnp.asarray(0, jnp.int32),
+        residual_norm=residual,
+        converged=ok,
+        reason=jnp.where(ok, Reason.CONVERGED_ATOL, Reason.DIVERGED_INDEFINITE_MAT).astype(jnp.int32),
+    )
+    return x, info
+
+
+def _krylov(solver: Any, operator: Any, rhs: Any, rtol: Any, atol: Any, maxiter: Any):
+    if callable(solver):
+        return solver(operator, rhs)
+    method = cg if solver == "cg" else minres
+    return method(operator, rhs, rtol=rtol, atol=atol, maxiter=maxiter)
+
+
+def parameter_space_update(model, e, *, diag_shift, solver, rtol, atol, maxiter, centred_input):
+    """(S + λ) δ = F, δ shaped like params."""
+    S = gram_operator(model, diag_shift)
+    F = model.from_space(force(model, e, centred_input))
+    if solver != "cholesky":
+        return _krylov(solver, S, F, rtol, atol, maxiter)
+    if model.sharded_params:
+        raise ValueError(f"{_NAME}: solver='cholesky' needs replicated parameters")
+    flat, unravel = ravel_pytree(F)
+    if model.split:  # S acts on (Re δ, Im δ)
+        n = flat.size
+        pair, info = _dense_solve(S.to_dense(), jnp.concatenate([jnp.real(flat), jnp.imag(flat)]))
+        return unravel(pair[:n] + 1j * pair[n:]), info
+    x, info = _dense_solve(S.to_dense(), flat)
+    return unravel(x), info
+
+
+def sample_space_update(model, e, *, diag_shift, solver, rtol, atol, maxiter):
+    """(T + λ) x = ē over the samples (sharded), then δ = Ōᴴ x / N."""
+    T = sample_gram_operator(model, diag_shift)
+    rhs = jnp.reshape(e, sample_structure(model).shape)
+    if solver != "cholesky":
+        x, info = _krylov(solver, T, rhs, rtol, atol, maxiter)
+    else:
+        flat_rhs = jnp.reshape(rhs, (-1,))
+        partition = partition_of_local_sizes(flat_rhs.shape[0], model.comm)
+        whole = allgather_blocks(flat_rhs, partition, model.comm)
+        solution, info = _dense_solve(T.to_dense(gather=True), whole)
+        offset = int(model.counts[: model.comm.rank].sum()) * model.channels
+        x = jnp.reshape(solution[offset : offset + flat_rhs.shape[0]], rhs.shape)
+    rows = jnp.reshape(x, (model.n_local, model.channels))
+    return model.from_space(force(model, rows, centred_input=False)), info
+
+
+def natural_gradient(
+    f: Callable[[Any, Any], Any],
+    params: Any,
+    samples: Any,
+    residuals: Any,
+    *,
+    diag_shift: Any,
+    space: str = "auto",
+    mode: str | None = None,
+    solver: str | Callable[..., Any] = "cg",
+    rtol: float | None = None,
+    atol: float = 0.0,
+    maxiter: int | None = None,
+    center: bool = True,
+    chunk_size: int | None = None,
+    comm: Any = None,
+    sharded_params: bool = False,
+) -> tuple[Any, SolverInfo]:
+    """The natural-gradient (SR) update δ = (S + λ I)⁻¹ F over every rank's samples.
+
+    S = Ōᴴ Ō / N and F = Ōᴴ ē / N, with Ō the (centred) Jacobian of
+    ``f(params, samples)`` and ē the (centred) residuals over all N samples of
+    all ranks. In NetKet's terms, with ``residuals`` the local energies, the
+    energy gradient is 2·Re F (real parameters) or 2·F (complex), so NetKet's
+    SR update is 2δ.
+
+    Args:
+      f: ``f(params, samples) -> (n_r,)``, e.g. log ψ(σ_i), real or complex.
+      params: pytree; replicated (identical on every rank) or this rank's
+        block with ``sharded_params=True`` (then f communicates).
+      samples: pytree with a leading axis of this rank's n_r samples (counts
+        may differ between ranks).
+      residuals: (n_r,) real or complex, e.g. the local energies E_loc(σ_i).
+      diag_shift: λ > 0 (may be traced; differentiable).
+      space: "parameters" (SR: CG/MINRES on :func:`operators.gram`, n × n),
+        "samples" (MinSR/SRt: on :func:`operators.sample_gram`, N·k × N·k),
+        or "auto": the smaller system. Both give the same δ.
+      mode: "real" (Re f only; Re of the residuals), "complex" (Re f and Im
+        f; for real params S = Re(ŌᴴŌ)/N, F = Re(Ōᴴē)/N), "holomorphic"
+        (complex S and F); complex params are (Re θ, Im θ) pairs outside
+        "holomorphic". Default None: NetKet's choice ("complex" for a complex
+        output, else "real").
+      solver: "cg", "minres", "cholesky" (dense; the parameter space or the
+        gathered N·k × N·k matrix: for small problems), or a callable
+        ``solver(operator, rhs) -> (x, info)`` such as
+        ``functools.partial(distlinalg.cg, M=...)``.
+      rtol, atol, maxiter: the Krylov solve's stopping rule (rtol default
+        1e-10 in float64, 1e-5 in float32; maxiter the solver's default).
+      center: centre Ō and the residuals (subtract their means over all
+        samples); False uses them as given.
+      chunk_size: evaluate the model on at most this many local samples at a
+        time (bounds memory).
+      comm: communicator (default distlinalg's).
+      sharded_params: params are this rank's block (vectors in parameter
+        space are sharded; the update is this rank's block).
+
+    Returns:
+      ``(update, info)``: δ shaped like params, identical on every rank
+      (replicated params; this rank's block when sharded), and the solver's
+      :class:`SolverInfo` (identical on every rank).
+
+    AD: differentiable with respect to params, samples' contents, residuals
+    and diag_shift (the Krylov solves through ``lax.custom_linear_solve``),
+    e.g. meta-gradients of a loss of the updated parameters.
+
+    Example::
+
+        e_loc = local_energies(params, my_samples)          # (n_r,)
+        delta, info = distlinalg.natural_gradient(log_psi, params, my_samples, e_loc,
+                                                  diag_shift=1e-3)
+        params = jax.tree_util.tree_map(lambda p, d: p - lr * d, params, delta)
+    """
+    comm = resolve_comm(comm)
+    if space not in SPACES:
+        raise ValueError(f"{_NAME}: space must be one of {SPACES}, got {space!r}")
+    if not (callable(solver) or solver in SOLVERS):
+        raise ValueError(f"{_NAME}: solver must be one of {SOLVERS} or a callable, got {solver!r}")
+    model = LinearisedModel(f, params, samples, mode=mode, center=center, chunk_size=chunk_size, comm=comm,
+                            sharded_params=sharded_params, where=_NAME)
+
+    def rows_of_residuals() -> jax.Array:
+        shape = jnp.shape(residuals)
+        if shape != (model.n_local,):
+            raise ValueError(f"{_NAME}: residuals must have one value per local sample, shape ({model.n_local},); "
+                             f"got {shape}")
+        if not jnp.issubdtype(jnp.result_type(residuals), jnp.number):
+            raise ValueError(f"{_NAME}: residuals must be numbers, got {jnp.result_type(residuals)}")
+        return residual_rows(model, residuals)
+
+    e = collectively(rows_of_residuals, comm)
+    if center:
+        e = centred(model, e)
+    if rtol is None:
+        rtol = 1e-10 if jnp.finfo(model.dtype).bits == 64 else 1e-5
+    chosen = choose_space(model, space)
+    if chosen == "parameters":
+        return parameter_space_update(model, e, diag_shift=diag_shift, solver=solver, rtol=rtol, atol=atol,
+                                      maxiter=maxiter, centred_input=center)
+    return sample_space_update(model, e, diag_shift=diag_shift, solver=solver, rtol=rtol, atol=atol, maxiter=maxiter)
