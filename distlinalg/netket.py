@@ -414,7 +414,11 @@ def _make_mcstate() -> type:
 
         def expect(self, O: Any) -> Any:
             """Statistics of ⟨O⟩ over all ranks' samples (identical on every rank)."""
-            return _statistics_jit(self._distlinalg_local_values(O), comm=self._distlinalg_comm)
+            # Waited for: in `E = vstate.expect(H); if rank == 0: print(E)` the other ranks
+            # never read E, and a collective still queued when such a rank reaches the end
+            # of its program would meet distlinalg's end-of-program check instead.
+            return jax.block_until_ready(
+                _statistics_jit(self._distlinalg_local_values(O), comm=self._distlinalg_comm))
 
         def expect_and_forces(self, O: Any, *, mutable: Any = None) -> tuple[Any, Any]:
             """(statistics of ⟨O⟩, F = Cov(∂ log ψ, O_loc)) over all ranks' samples."""

@@ -7,6 +7,7 @@ respect to diag_shift, residuals and params in forward and reverse mode."""
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +88,9 @@ def dense_T(f, params, X, mode, center, diag_shift):
     ("real", True, None), ("real", False, 2), ("real-truncated", True, None),
     ("real-params-complex", True, 3), ("holomorphic", True, None), ("complex", False, None), ("complex", True, 2),
 ])
-def test_sample_gram_against_dense(comm, rank, size, model, center, chunk_size):
+def test_sample_gram_against_dense(comm, rank, size, model, center, chunk_size, monkeypatch):
+    # Small pieces in to_dense's ring, so that several pieces travel.
+    monkeypatch.setattr(sys.modules["distlinalg.operators.sample_gram"], "RING_PIECE_ROWS", 3)
     f, dtype, mode = MODELS[model]
     counts = counts_of(size)
     X, _, mine, _ = data(counts, rank, False)

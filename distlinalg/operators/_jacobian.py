@@ -289,28 +289,28 @@ class LinearisedModel:
     def local_rows(self) -> jax.Array:
         """This rank's rows of Ō as a dense (n_local·k, n) matrix (flattened θ̃).
 
-        Replicated parameters only: each sample's row is the VJP of its own
-        one-hot cotangent, so this costs n_local·k backward passes (vmapped).
+        For a model that does not communicate: each sample's k rows are the
+        VJPs of the model on that sample alone (vmapped over the samples, in
+        chunks of ``chunk_size``), so memory is the rows plus one chunk's
+        intermediates.
         """
-        flat, _ = ravel_pytree(self.theta)
+        if self.communicates:
+            raise NotImplementedError("local_rows needs a model that does not communicate")
+        n_flat = flat_size(self.theta)
         eye = jnp.eye(self.channels, dtype=self.dtype)
 
-        def rows_of(x: Any, mask: Any = None) -> jax.Array:
-            n = leaves(x)[0].shape[0]
-            _, transpose = self._linearise(x)
-            cot = jnp.eye(n, dtype=self.dtype)[:, None, :, None] * eye[None, :, None, :]  # (n, k, n, k)
-            rows = jax.vmap(jax.vmap(lambda c: ravel_pytree(transpose(c))[0]))(cot)
-            return rows.reshape(n * self.channels, flat.size)
+        def rows_of_sample(x: Any) -> jax.Array:
+            _, transpose = self._linearise(tree_map(lambda a: a[None], x))
+            return jax.vmap(lambda e: ravel_pytree(transpose(e[None]))[0])(eye)  # (k, n)
 
         if self._chunk is None:
-            rows = rows_of(self.samples)
+            rows = jax.vmap(rows_of_sample)(self.samples)
         else:
-            _, chunks = jax.lax.scan(lambda _, x: (None, rows_of(x)), None, self._batches)
-            rows = chunks.reshape(-1, flat.size)[: self.n_local * self.channels]
+            rows = jax.lax.map(jax.vmap(rows_of_sample), self._batches)
+            rows = rows.reshape(-1, self.channels, n_flat)[: self.n_local]
         if self.center:
-            mean = jax.vmap(lambda m: ravel_pytree(m)[0])(self.mean_row)  # (k, n)
-            rows = rows - jnp.tile(mean, (self.n_local, 1))
-        return rows
+            rows = rows - jax.vmap(lambda m: ravel_pytree(m)[0])(self.mean_row)[None]
+        return rows.reshape(self.n_local * self.channels, n_flat)
 
     def squared_row_sums(self) -> Any:
         """diag(ŌᴴŌ) = Σ_i Σ_c |Ō_ic|² over every rank's samples, shaped like θ̃."""

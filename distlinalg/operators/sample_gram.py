@@ -32,6 +32,7 @@ from ._jacobian import LinearisedModel
 __all__ = ["sample_gram", "sample_gram_operator", "SampleGramOperator", "sample_structure"]
 
 _NAME = "distlinalg.operators.sample_gram"
+RING_PIECE_ROWS = 256  # rows of Ō that travel together in to_dense's ring
 
 
 # -- the math, one small function per term -------------------------------------------
@@ -53,20 +54,26 @@ def sample_gram_product(model: LinearisedModel, x: jax.Array) -> jax.Array:
 def ring_products(rows: jax.Array, counts: Any, per_sample: int, comm: Any) -> jax.Array:
     """This rank's rows of R Rᴴ from every rank's rows R_q, (n_r·k, N·k).
 
-    Each rank's block of rows (padded to the longest) travels once around the
-    ring: P − 1 sendrecv steps, each a product R_r R_qᴴ. Memory: two blocks
-    of rows and the result, never the whole R.
+    Every rank's rows travel around the ring of ranks in pieces of at most
+    RING_PIECE_ROWS rows (P − 1 sendrecv steps per piece, the same number of
+    equally sized pieces on every rank), each meeting this rank's rows in a
+    product R_r R_qᴴ. Memory: this rank's rows, two pieces and the result.
     """
     size, rank = comm.size, comm.rank
     widths = [int(c) * per_sample for c in counts]
-    travelling = jnp.zeros((max(widths), rows.shape[1]), rows.dtype).at[: rows.shape[0]].set(rows)
-    blocks: list[Any] = [None] * size
-    for step in range(size):
-        owner = (rank - step) % size  # whose rows are travelling through this rank now
-        blocks[owner] = (rows @ jnp.conj(travelling).T)[:, : widths[owner]]
-        if step < size - 1:
-            travelling = sendrecv(travelling, travelling, source=(rank - 1) % size, dest=(rank + 1) % size, comm=comm)
-    return jnp.concatenate(blocks, axis=1)
+    n_pieces = max(1, -(-max(widths) // RING_PIECE_ROWS))
+    height = -(-max(widths) // n_pieces)
+    padded = jnp.zeros((n_pieces * height, rows.shape[1]), rows.dtype).at[: rows.shape[0]].set(rows)
+    blocks: list[list[Any]] = [[None] * n_pieces for _ in range(size)]
+    for j in range(n_pieces):
+        travelling = padded[j * height : (j + 1) * height]
+        for step in range(size):
+            owner = (rank - step) % size  # whose piece is passing through this rank now
+            blocks[owner][j] = rows @ jnp.conj(travelling).T
+            if step < size - 1:
+                travelling = sendrecv(travelling, travelling, source=(rank - 1) % size, dest=(rank + 1) % size,
+                                      comm=comm)
+    return jnp.concatenate([jnp.concatenate(b, axis=1)[:, : widths[q]] for q, b in enumerate(blocks)], axis=1)
 
 
 def sample_structure(model: LinearisedModel) -> jax.ShapeDtypeStruct:
@@ -95,14 +102,15 @@ class SampleGramOperator(LinearOperator):
         ``gather=True`` the whole ``(N·k, N·k)`` matrix on every rank.
 
         Replicated parameters: forms this rank's Jacobian rows (n_r·k × n)
-        and passes them around the ring of ranks (memory per rank
-        O(n_r·n + N·n_r·k²), never the whole Jacobian). Sharded parameters:
-        T applied to the N·k unit vectors (batched), whose intermediate is
-        N·k × this rank's parameter block. Every rank must call it together.
+        and passes them around the ring of ranks in pieces of 256 rows
+        (memory per rank O(n_r·k·n + N·n_r·k²), never the whole Jacobian).
+        Sharded parameters (or a model that communicates): T applied to the
+        N·k unit vectors (batched), whose intermediate is N·k × this rank's
+        parameter block. Every rank must call it together.
         """
         model = self.model
         k = model.channels
-        if not model.sharded_params:
+        if not model.sharded_params and not model.communicates:
             rows = ring_products(model.local_rows(), model.counts, k, model.comm) / model.n_total
         else:
             total = model.n_total * k
@@ -188,8 +196,9 @@ def sample_gram_operator(model: LinearisedModel, diag_shift: Any) -> SampleGramO
 
     def diagonal() -> jax.Array:
         """T_ii = |Ō_i|² / N + λ from this rank's rows (formed once)."""
-        if model.sharded_params:
-            raise NotImplementedError(f"{_NAME}: the diagonal needs replicated parameters")
+        if model.sharded_params or model.communicates:
+            raise NotImplementedError(f"{_NAME}: the diagonal needs replicated parameters and a model "
+                                      "that does not communicate")
         squares = jnp.sum(jnp.abs(model.local_rows()) ** 2, axis=1) / model.n_total
         return (squares.reshape(structure.shape) + diag_shift).astype(structure.dtype)
 
