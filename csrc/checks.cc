@@ -635,8 +635,9 @@ bool Blocks(const int64_t* other, const Signature& mine, int64_t comm_id,
   const auto phase = static_cast<Phase>(other[kPhase]);
   const int64_t op = other[kReplySig];
   if (other[kProbeId] < 0 || phase == Phase::kIdle) return false;
-  // A rank at the end of its program never calls anything again.
-  if (op == OpCode("exit")) return true;
+  // A rank at the end of its program never calls anything again: it blocks
+  // any call of this rank, but meets this rank's own end-of-program check.
+  if (op == OpCode("exit")) return mine.words()[kOpCode] != OpCode("exit");
   // Only calls on the same communicator can be waiting for this one.
   if (comm_id < 0 || other[kCommId] != comm_id) return false;
   const bool other_p2p = IsPointToPoint(op);

@@ -285,6 +285,14 @@ def _end_of_program() -> None:
     if os.getpid() != _IMPORT_PID:
         return  # a forked child: MPI belongs to its parent
     try:
+        # Collectives dispatched but not yet run (results never read) run
+        # first: the exit check must come after them, as on the other ranks.
+        import jax
+
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001  (JAX already torn down: nothing is pending)
+        pass
+    try:
         message = _native.check_at_exit(DEFAULT_COMM.handle)
     finally:
         _native.stop_responder()

@@ -198,3 +198,14 @@ def test_job_with_a_rank_blocked_elsewhere_ends_with_the_message(mode, ranks):
     assert rc != 0, out
     assert JOBS[mode] in out, out
     assert seconds < 40, (seconds, out)
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("mode", ["late-rank", "unread-result"])
+def test_valid_endings_are_not_mismatches(mode):
+    """Ranks reaching the end at different times, or with collectives still
+    queued, finish cleanly (3 ranks: two wait in the exit check together)."""
+    rc, out, seconds = _launch(mode, 3)
+    assert rc == 0, out
+    assert MISMATCH not in out, out
+    assert out.count("finished") == 3, out
