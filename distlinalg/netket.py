@@ -5,7 +5,7 @@ script runs P independent copies, each estimating energies, gradients and the
 quantum geometric tensor from its own samples only (and, with a fixed sampler
 seed, from the *same* samples). This module makes a user's own
 ``nk.driver.VMC`` script a single computation over P ranks, with three
-changed lines::
+changed lines (a fourth keeps the output on rank 0)::
 
     import distlinalg.netket as dnk                                   # 1
     vstate = dnk.MCState(sampler, model, n_samples=1024, seed=0)      # 2  (was nk.vqs.MCState)
@@ -19,7 +19,10 @@ NetKet calls a preconditioner as ``preconditioner(vstate, gradient, step)``:
 it sees neither the Hamiltonian nor the local energies, and the driver has
 already stored (and will log) the energy statistics it computed. So the global
 quantities must be produced where NetKet computes them, in the variational
-state:
+state. (A preconditioner alone, given the Hamiltonian, can make the update
+global, which :class:`SR` also supports, but the logged energy stays
+rank-local and the local energies are computed twice; a driver subclass would
+replace the user's ``nk.driver.VMC`` and every other driver would need one.)
 
 * :class:`MCState` (a subclass of ``nk.vqs.MCState``, built on first use so
   that importing this module never imports NetKet) keeps NetKet's sampler,
@@ -247,19 +250,25 @@ class SR:
       space: where to solve: ``"auto"`` (distlinalg's choice), parameter
         space (``S``, n_params × n_params) or sample space (the N × N kernel
         matrix); see :func:`distlinalg.natural_gradient`.
-      solver: ``"cg"`` or ``"minres"`` (parameter space).
+      solver: ``"cg"``, ``"minres"``, ``"cholesky"`` (dense, for small systems)
+        or a callable ``solver(operator, rhs) -> (x, info)``; see
+        :func:`distlinalg.natural_gradient`.
       rtol, maxiter: solver tolerance and iteration limit (None: the
         defaults of :func:`distlinalg.natural_gradient`).
       mode: ``"real"``, ``"complex"``, ``"holomorphic"`` or None for NetKet's
         choice (real for real parameters with real output, complex otherwise).
       chunk_size: samples per chunk when linearising the model (memory).
       hamiltonian: only for a vstate that is not a :class:`MCState`.
-      comm: mpi4py intracommunicator (default distlinalg's; must be the one
-        of the :class:`MCState`).
+      comm: mpi4py intracommunicator (default: the :class:`MCState`'s, else
+        distlinalg's).
 
     Attributes:
-      info: the solver information of the last call (identical on every
-        rank), e.g. to log ``sr.info`` from a driver callback.
+      info: the :class:`distlinalg.solvers.SolverInfo` of the last call
+        (identical on every rank), e.g. to log from a driver callback.
+
+    AD: the call itself is NetKet's eager protocol and is not meant to be
+    differentiated; :func:`distlinalg.natural_gradient`, which it wraps, is
+    differentiable (meta-gradients: see ``examples/sharded_sr``).
 
     Example::
 
@@ -276,16 +285,16 @@ class SR:
                  chunk_size: int | None = None, hamiltonian: Any = None, comm: Any = None):
         self.diag_shift = diag_shift
         self.hamiltonian = hamiltonian
-        self.comm = resolve_comm(comm)
+        self.comm = None if comm is None else resolve_comm(comm)
         options = {"space": space, "solver": solver, "rtol": rtol, "maxiter": maxiter, "mode": mode,
-                   "chunk_size": chunk_size, "comm": self.comm}
+                   "chunk_size": chunk_size}
         # Unset options keep natural_gradient's defaults; the rest is static
         # (hashable) so that the jitted update compiles once.
         self._options = tuple(sorted((k, v) for k, v in options.items() if v is not None))
         self.info = None
 
     def __repr__(self) -> str:
-        opts = ", ".join(f"{k}={v!r}" for k, v in self._options if k != "comm")
+        opts = ", ".join(f"{k}={v!r}" for k, v in self._options)
         return f"distlinalg.netket.SR(diag_shift={self.diag_shift!r}, {opts})"
 
     def residuals(self, vstate: Any) -> tuple[jax.Array, jax.Array]:
@@ -310,10 +319,11 @@ class SR:
                 raise TypeError("distlinalg.netket.SR: a scheduled diag_shift needs the step argument")
             shift = shift(step)
         samples, e_loc = self.residuals(vstate)
+        comm = self.comm or resolve_comm(getattr(vstate, "_distlinalg_comm", None))
         params = vstate.parameters
-        real = jnp.real(jnp.zeros((), jax.tree_util.tree_leaves(params)[0].dtype)).dtype
-        update, self.info = _sr_update(vstate._apply_fun, self._options, params, vstate.model_state, samples,
-                                       e_loc, jnp.asarray(shift, real))
+        real = jnp.finfo(jax.tree_util.tree_leaves(params)[0].dtype).dtype
+        update, self.info = _sr_update(vstate._apply_fun, self._options + (("comm", comm),), params,
+                                       vstate.model_state, samples, e_loc, jnp.asarray(shift, real))
         return update
 
 
@@ -436,7 +446,8 @@ def _make_mcstate() -> type:
         def expect_and_grad(self, O: Any, *, mutable: Any = None, use_covariance: bool | None = None,
                             **kwargs: Any) -> tuple[Any, Any]:
             """(statistics of ⟨O⟩, its gradient 2 Re F / 2 F) over all ranks' samples."""
-            if use_covariance is False or (use_covariance is None and not getattr(O, "is_hermitian", True)):
+            hermitian = getattr(O, "is_hermitian", True) and not isinstance(O, nk.operator.Squared)
+            if use_covariance is False or (use_covariance is None and not hermitian):
                 raise NotImplementedError(
                     "distlinalg.netket.MCState: only the covariance gradient of Hermitian operators is "
                     "distributed")
@@ -448,6 +459,21 @@ def _make_mcstate() -> type:
     MCState.__name__ = MCState.__qualname__ = "MCState"
     MCState.__module__ = __name__
     MCState.__doc__ = _MCSTATE_DOC
+
+    # flax serialisation (NetKet's loggers and checkpoints) looks the exact type up.
+    from flax import serialization
+    from netket.vqs.mc.mc_state.state import deserialize_MCState, serialize_MCState
+
+    def deserialize(vstate: Any, state_dict: Any) -> Any:
+        new = deserialize_MCState(vstate, state_dict)
+        # A checkpoint holds one rank's sampler state (rank 0 writes it): the other ranks
+        # fold their rank into its key, so that their chains differ again.
+        c = new._distlinalg_comm
+        if c.rank > 0 and hasattr(new.sampler_state, "rng"):
+            new.sampler_state = new.sampler_state.replace(rng=jax.random.fold_in(new.sampler_state.rng, c.rank))
+        return new
+
+    serialization.register_serialization_state(MCState, serialize_MCState, deserialize)
     return MCState
 
 

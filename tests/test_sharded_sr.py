@@ -1,4 +1,4 @@
-"""The VMC/SR example (examples/netket_sr) on 1, 2 and 3 ranks.
+"""The VMC/SR example (examples/sharded_sr) on 1, 2 and 3 ranks.
 
 Heavy pieces (the TFIM L=8 run) are built once through the example's cached
 ``run.build`` on distlinalg's default communicator, so the jitted step
@@ -24,13 +24,13 @@ from jax.flatten_util import ravel_pytree
 
 import distlinalg
 from distlinalg.comm import allgather
-from examples.netket_sr import run
-from examples.netket_sr.exact import (basis_spins, ed_ground_energy, sparse_hamiltonian, tfim_free_fermion_energy,
+from examples.sharded_sr import run
+from examples.sharded_sr.exact import (basis_spins, ed_ground_energy, sparse_hamiltonian, tfim_free_fermion_energy,
                                       variational_energy)
-from examples.netket_sr.hamiltonians import heisenberg, tfim
-from examples.netket_sr.models import RBM, ShardedRBM, init_params
-from examples.netket_sr.sampler import MetropolisSampler
-from examples.netket_sr.sr import VMC, SRConfig, force, params_equal_across_ranks, sr_solve
+from examples.sharded_sr.hamiltonians import heisenberg, tfim
+from examples.sharded_sr.models import RBM, ShardedRBM, init_params
+from examples.sharded_sr.sampler import MetropolisSampler
+from examples.sharded_sr.sr import VMC, SRConfig, force, params_equal_across_ranks, sr_solve
 
 E0_TFIM_8 = -10.251661790966
 E0_HEIS_8 = -14.604373635749

@@ -54,26 +54,32 @@ def sample_gram_product(model: LinearisedModel, x: jax.Array) -> jax.Array:
 def ring_products(rows: jax.Array, counts: Any, per_sample: int, comm: Any) -> jax.Array:
     """This rank's rows of R Rᴴ from every rank's rows R_q, (n_r·k, N·k).
 
-    Every rank's rows travel around the ring of ranks in pieces of at most
-    RING_PIECE_ROWS rows (P − 1 sendrecv steps per piece, the same number of
-    equally sized pieces on every rank), each meeting this rank's rows in a
-    product R_r R_qᴴ. Memory: this rank's rows, two pieces and the result.
+    The own block R_r R_rᴴ is one product. Every rank's rows then travel
+    around the ring of ranks in pieces of at most RING_PIECE_ROWS rows (P − 1
+    sendrecv steps per piece, the same number of equally sized pieces on
+    every rank), each meeting this rank's rows in a product R_r R_qᴴ.
+    Memory: this rank's rows, two pieces and the result.
     """
     size, rank = comm.size, comm.rank
     widths = [int(c) * per_sample for c in counts]
+    blocks: list[Any] = [None] * size
+    blocks[rank] = rows @ jnp.conj(rows).T
+    if size == 1:
+        return blocks[rank]
     n_pieces = max(1, -(-max(widths) // RING_PIECE_ROWS))
     height = -(-max(widths) // n_pieces)
-    padded = jnp.zeros((n_pieces * height, rows.shape[1]), rows.dtype).at[: rows.shape[0]].set(rows)
-    blocks: list[list[Any]] = [[None] * n_pieces for _ in range(size)]
+    pieces: list[list[Any]] = [[] for _ in range(size)]
     for j in range(n_pieces):
-        travelling = padded[j * height : (j + 1) * height]
-        for step in range(size):
-            owner = (rank - step) % size  # whose piece is passing through this rank now
-            blocks[owner][j] = rows @ jnp.conj(travelling).T
-            if step < size - 1:
-                travelling = sendrecv(travelling, travelling, source=(rank - 1) % size, dest=(rank + 1) % size,
-                                      comm=comm)
-    return jnp.concatenate([jnp.concatenate(b, axis=1)[:, : widths[q]] for q, b in enumerate(blocks)], axis=1)
+        mine = rows[j * height : (j + 1) * height]  # static slice, padded to the common height
+        travelling = jnp.pad(mine, ((0, height - mine.shape[0]), (0, 0)))
+        for step in range(1, size):
+            travelling = sendrecv(travelling, travelling, source=(rank - 1) % size, dest=(rank + 1) % size, comm=comm)
+            owner = (rank - step) % size  # whose piece has reached this rank
+            pieces[owner].append(rows @ jnp.conj(travelling).T)
+    for owner in range(size):
+        if owner != rank:
+            blocks[owner] = jnp.concatenate(pieces[owner], axis=1)[:, : widths[owner]]
+    return jnp.concatenate(blocks, axis=1)
 
 
 def sample_structure(model: LinearisedModel) -> jax.ShapeDtypeStruct:

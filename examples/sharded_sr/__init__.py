@@ -2,7 +2,7 @@
 
 Samples are sharded across ranks; every SR step solves (S + λ) δ = F with
 ``distlinalg.cg`` or ``distlinalg.minres`` on ``distlinalg.operators.gram``.
-Run ``mpiexec -n 2 python -m examples.netket_sr --help``; see README.md.
+Run ``mpiexec -n 2 python -m examples.sharded_sr --help``; see README.md.
 """
 
 from .hamiltonians import Hamiltonian, heisenberg, tfim

@@ -1,4 +1,4 @@
-"""``mpiexec -n 2 python -m examples.netket_sr [options]``."""
+"""``mpiexec -n 2 python -m examples.sharded_sr [options]``."""
 
 from .run import main
 

@@ -1,7 +1,7 @@
 """Command line and training loop of the VMC/SR example.
 
-    mpiexec -n 2 python -m examples.netket_sr --model tfim --L 16 --iters 100
-    mpiexec -n 2 python examples/netket_sr/run.py ...      (same thing)
+    mpiexec -n 2 python -m examples.sharded_sr --model tfim --L 16 --iters 100
+    mpiexec -n 2 python examples/sharded_sr/run.py ...      (same thing)
 
 Every rank runs this; rank 0 prints and writes files. See README.md for
 every option.
@@ -22,7 +22,7 @@ from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `examples` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    __package__ = "examples.netket_sr"
+    __package__ = "examples.sharded_sr"
 
 import jax
 
@@ -41,7 +41,7 @@ from .sr import VMC, SRConfig  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m examples.netket_sr",
+    p = argparse.ArgumentParser(prog="python -m examples.sharded_sr",
                                 description="VMC with stochastic reconfiguration over MPI (distlinalg)")
     a = p.add_argument
     a("--model", choices=["tfim", "heisenberg"], default="tfim", help="Hamiltonian (default tfim)")
@@ -66,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
       help="Gram operator mode (default: real for real, holomorphic for complex parameters)")
     a("--seed", type=int, default=0, help="random seed (parameters: seed, sampler: seed+1, folded with the rank)")
     a("--sharded-params", action="store_true", help="split the RBM's hidden units across ranks (sharded layout)")
-    a("--output", default="netket_sr_out", help="output folder for log.json and energy.png")
+    a("--output", default="sharded_sr_out", help="output folder for log.json and energy.png")
     a("--checkpoint", default=None, help="checkpoint file (pickle), written atomically by rank 0")
     a("--checkpoint-every", type=int, default=10, help="checkpoint every K iterations (default 10)")
     a("--resume", action="store_true", help="continue from --checkpoint (every rank reads it)")

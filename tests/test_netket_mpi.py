@@ -1,0 +1,291 @@
+"""distlinalg.netket: NetKet's own VMC driver under mpiexec, on 1, 2 and 3 ranks.
+
+Every distributed quantity is checked against NetKet itself, run in one
+process on the samples of all ranks gathered (mpi4py allgather, rank-major):
+the global statistics against ``nk.stats.statistics``, the energy and
+gradient against ``nk.vqs.MCState.expect_and_grad``, the SR update against
+``nk.optimizer.SR`` with a dense QGT (parameter space) and NetKet's
+sample-space (MinSR/NTK) solve, up to NetKet's factor 2; a few driver steps
+give bitwise identical parameters on every rank and the updates and
+energies of that single-process reference. The example script runs as a
+whole mpiexec job (``serial``). Skipped when NetKet is not installed
+(``make test`` installs it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+nk = pytest.importorskip("netket", reason="NetKet is not installed (pip install -e '.[netket]'; make test does)")
+
+import distlinalg.netket as dnk  # noqa: E402
+from run_mpi import find_mpiexec  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "netket_sr" / "vmc_sr.py"
+L = 8
+N_CHAINS = 4  # per rank
+CHAIN_LENGTH = 16
+SHIFT = 0.01
+
+tmap = jax.tree_util.tree_map
+
+
+def _leaves(tree) -> np.ndarray:
+    return np.concatenate([np.asarray(x).ravel() for x in jax.tree_util.tree_leaves(tree)])
+
+
+def _bitwise_same_on_every_rank(tree, comm) -> bool:
+    mine = _leaves(tree).view(np.uint8)
+    return all(np.array_equal(mine, other) for other in comm.allgather(mine))
+
+
+def _assert_trees_close(actual, expected, rtol, atol=0.0, err_msg=""):
+    np.testing.assert_allclose(_leaves(actual), _leaves(expected), rtol=rtol, atol=atol, err_msg=err_msg)
+
+
+def _assert_stats_close(ours, theirs, rtol=1e-10, atol=1e-12):
+    for field in ("mean", "error_of_mean", "variance", "tau_corr", "R_hat"):
+        np.testing.assert_allclose(np.asarray(getattr(ours, field)), np.asarray(getattr(theirs, field)), rtol=rtol,
+                                   atol=atol, err_msg=field)
+
+
+@pytest.fixture(scope="module")
+def ising():
+    graph = nk.graph.Chain(L, pbc=True)
+    hilbert = nk.hilbert.Spin(0.5, N=L)
+    return hilbert, nk.operator.Ising(hilbert, graph, h=1.0, J=1.0)
+
+
+MODELS = {
+    # NetKet picks "real" mode for the first, "complex" for the others (holomorphic where declared)
+    "real": lambda: nk.models.RBM(alpha=1, param_dtype=float),
+    "holomorphic": lambda: nk.models.RBM(alpha=1, param_dtype=complex),
+    "modphase": lambda: nk.models.RBMModPhase(alpha=1, param_dtype=float),  # real params, complex output
+}
+
+
+def _state(hilbert, model: str, seed: int = 0):
+    sampler = nk.sampler.MetropolisLocal(hilbert, n_chains=N_CHAINS)
+    return dnk.MCState(sampler, MODELS[model](), n_samples_per_rank=N_CHAINS * CHAIN_LENGTH, n_discard_per_chain=2,
+                       seed=seed)
+
+
+def _gathered_reference(vstate, comm):
+    """A single-process nk.vqs.MCState holding every rank's samples (rank-major chains)."""
+    samples = np.asarray(vstate.samples)
+    everyone = np.concatenate(comm.allgather(samples), axis=0)  # (P n_chains, chain_length, N)
+    ref = nk.vqs.MCState(nk.sampler.MetropolisLocal(vstate.hilbert, n_chains=everyone.shape[0]), vstate.model,
+                         variables=vstate.variables, n_samples=everyone.shape[0] * everyone.shape[1],
+                         n_discard_per_chain=0)
+    ref._samples = jnp.asarray(everyone)  # NetKet's cache of the current samples
+    return ref
+
+
+# -- statistics ---------------------------------------------------------------------------
+def _chains(rng, shape, dtype, rho=0.8):
+    """AR(1) chains (autocorrelated, like Markov chains)."""
+    noise = rng.standard_normal(shape) + (1j * rng.standard_normal(shape) if dtype == complex else 0)
+    out = np.empty(shape, dtype=noise.dtype)
+    out[:, 0] = noise[:, 0]
+    for t in range(1, shape[1]):
+        out[:, t] = rho * out[:, t - 1] + noise[:, t]
+    return out + 3.0
+
+
+@pytest.mark.parametrize(("shape", "dtype"), [
+    ((4, 64), float),      # blocks (fewer than 32 chains in small worlds)
+    ((3, 33), complex),    # odd length: R̂ drops the last value
+    ((16, 40), float),     # 32+ chains from 2 ranks on: the chain-mean estimator
+    ((1, 10), float),      # too short for either estimator on 1 rank: NaN error bar
+    ((1, 1), float),       # one value per rank
+])
+def test_statistics_equal_netket_on_gathered_chains(shape, dtype, comm):
+    rng = np.random.default_rng(100 + comm.Get_rank())
+    mine = _chains(rng, shape, dtype)
+    everyone = np.concatenate(comm.allgather(mine), axis=0)
+    expected = nk.stats.statistics(jnp.asarray(everyone))
+    ours = jax.jit(lambda x: dnk.statistics(x, comm=comm))(mine)
+    assert isinstance(ours, nk.stats.Stats)
+    _assert_stats_close(ours, expected)
+    assert _bitwise_same_on_every_rank([ours.mean, ours.error_of_mean, ours.tau_corr, ours.R_hat], comm)
+
+
+def test_statistics_eagerly_of_a_vector_is_one_chain(comm):
+    mine = _chains(np.random.default_rng(comm.Get_rank()), (1, 50), float)
+    everyone = np.concatenate(comm.allgather(mine), axis=0)
+    _assert_stats_close(dnk.statistics(mine[0], comm=comm), nk.stats.statistics(jnp.asarray(everyone)))
+
+
+# -- the variational state ------------------------------------------------------------------
+def test_state_counts_seeds_and_identical_parameters(ising, comm):
+    hilbert, _ = ising
+    size, rank = comm.Get_size(), comm.Get_rank()
+    vstate = dnk.MCState(nk.sampler.MetropolisLocal(hilbert, n_chains=N_CHAINS), MODELS["real"](), n_samples=100,
+                         seed=3)
+    per_rank = int(np.ceil(100 / (N_CHAINS * size))) * N_CHAINS
+    assert vstate.n_samples_per_rank == per_rank and vstate.n_samples == per_rank * size
+    assert vstate.samples.shape == (N_CHAINS, per_rank // N_CHAINS, L)
+    assert _bitwise_same_on_every_rank(vstate.parameters, comm)
+    everyone = comm.allgather(np.asarray(vstate.samples))
+    assert all(not np.array_equal(everyone[0], other) for other in everyone[1:]), "ranks sampled the same chains"
+    # Rank 0 is NetKet's own state with the same seed and per-rank sample count.
+    plain = nk.vqs.MCState(nk.sampler.MetropolisLocal(hilbert, n_chains=N_CHAINS), MODELS["real"](),
+                           n_samples=per_rank, seed=3)
+    assert np.array_equal(_leaves(plain.parameters), _leaves(vstate.parameters))
+    if rank == 0:
+        np.testing.assert_array_equal(np.asarray(plain.samples), np.asarray(vstate.samples))
+    # A checkpoint written by rank 0 (flax serialisation, as NetKet's loggers do) restores the
+    # parameters and the total sample count everywhere, and the ranks' chains differ again.
+    from flax import serialization
+
+    restored = serialization.from_bytes(vstate, comm.bcast(serialization.to_bytes(vstate), root=0))
+    assert type(restored) is type(vstate) and restored.n_samples == vstate.n_samples
+    assert np.array_equal(_leaves(restored.parameters), _leaves(vstate.parameters))
+    keys = comm.allgather(np.asarray(jax.random.key_data(restored.sampler_state.rng)))
+    assert all(not np.array_equal(keys[0], other) for other in keys[1:])
+    # No seed: rank 0 draws one for everyone.
+    unseeded = dnk.MCState(nk.sampler.MetropolisLocal(hilbert, n_chains=N_CHAINS), MODELS["real"](),
+                           n_samples_per_rank=32)
+    assert _bitwise_same_on_every_rank(unseeded.parameters, comm)
+
+
+# -- energy, gradient and the SR preconditioner -------------------------------------------------
+def _netket_dense_sr(ref, model):
+    """nk.optimizer.SR with a dense QGT and a Cholesky solve; holomorphic where declared."""
+    kwargs = {"holomorphic": True} if model == "holomorphic" else {}
+    return nk.optimizer.SR(qgt=nk.optimizer.qgt.QGTJacobianDense, solver=nk.optimizer.solver.cholesky,
+                           diag_shift=SHIFT, **kwargs)
+
+
+# The modes and spaces on 1 and 2 ranks; the oversubscribed 3-rank world runs the first (its
+# collectives are those of every case) and the driver test.
+TWO = pytest.mark.max_ranks(2)
+
+
+@pytest.mark.parametrize(("model", "space", "solver"), [
+    ("real", "parameters", "cg"),
+    pytest.param("real", "samples", "cg", marks=TWO),
+    pytest.param("holomorphic", "parameters", "cg", marks=TWO),  # complex RBM
+    pytest.param("modphase", "samples", "cholesky", marks=TWO),  # real params, complex output: "complex" mode
+])
+def test_energy_gradient_and_sr_update_equal_netket_on_gathered_samples(ising, model, space, solver, comm):
+    hilbert, H = ising
+    vstate = _state(hilbert, model)
+    stats, grad = vstate.expect_and_grad(H)
+    ref = _gathered_reference(vstate, comm)
+    ref_stats, ref_grad = ref.expect_and_grad(H)
+    _assert_stats_close(stats, ref_stats)
+    _assert_stats_close(vstate.expect(H), ref_stats)
+    _assert_trees_close(grad, ref_grad, rtol=1e-10, atol=1e-13)
+    assert _bitwise_same_on_every_rank(grad, comm)
+
+    mode = "holomorphic" if model == "holomorphic" else None
+    sr = dnk.SR(diag_shift=SHIFT, space=space, solver=solver, rtol=1e-13, mode=mode)
+    update = sr(vstate, grad, 0)
+    assert int(sr.info.reason) > 0, sr.info
+    assert _bitwise_same_on_every_rank(update, comm)
+    expected = _netket_dense_sr(ref, model)(ref, ref_grad, 0)
+    _assert_trees_close(update, expected, rtol=1e-8, atol=1e-10, err_msg="against nk.optimizer.SR")
+
+    # NetKet's sample-space (NTK / MinSR) solve of the same system: 2 δ as well.
+    from netket._src.ngd.sr_srt_common import srt
+
+    e_loc = ref.local_estimators(H).data.reshape(-1)
+    ntk_mode = "real" if model == "real" else "complex"
+    ntk, _, _ = srt(ref._apply_fun, e_loc, ref.parameters, ref.model_state, ref.samples.reshape(-1, L),
+                    diag_shift=SHIFT, solver_fn=lambda A, b: jax.scipy.linalg.solve(A, b, assume_a="pos"),
+                    mode=ntk_mode)
+    _assert_trees_close(update, ntk, rtol=1e-8, atol=1e-10, err_msg="against NetKet's sample-space solve")
+
+
+def test_sr_needs_local_energies(ising, comm):
+    hilbert, H = ising
+    plain = nk.vqs.MCState(nk.sampler.MetropolisLocal(hilbert, n_chains=N_CHAINS), MODELS["real"](),
+                           n_samples=N_CHAINS * CHAIN_LENGTH, seed=0, sampler_seed=comm.Get_rank())
+    with pytest.raises(TypeError, match="local energies"):
+        dnk.SR()(plain, None, 0)
+    # With the Hamiltonian it computes them itself: the update of all ranks' samples.
+    update = dnk.SR(hamiltonian=H, rtol=1e-13)(plain, None, 0)
+    ref = _gathered_reference(plain, comm)
+    expected = _netket_dense_sr(ref, "real")(ref, ref.expect_and_grad(H)[1], 0)
+    _assert_trees_close(update, expected, rtol=1e-8, atol=1e-10)
+
+
+# -- the driver ---------------------------------------------------------------------------------
+def test_driver_steps_match_single_process_netket(ising, comm):
+    hilbert, H = ising
+    lr = 0.05
+    vstate = _state(hilbert, "real", seed=2)
+    schedule = lambda step: SHIFT * (1 + step)  # noqa: E731  (a scheduled shift goes through `step`)
+    driver = nk.driver.VMC(H, nk.optimizer.Sgd(lr), variational_state=vstate,
+                           preconditioner=dnk.SR(diag_shift=schedule, rtol=1e-13))
+    records = []
+
+    class Record(nk.callbacks.AbstractCallback):
+        def before_parameter_update(self, step, log_data, driver):
+            state = driver.state
+            records.append({"params": state.parameters, "samples": np.asarray(state.samples),
+                            "energy": log_data["Energy"], "update": driver._dp, "step": step})
+
+    driver.run(3, out=(), show_progress=False, callback=Record())
+    assert len(records) == 3
+    records.append({"params": vstate.parameters})
+    for before, after in zip(records[:-1], records[1:]):
+        assert _bitwise_same_on_every_rank(before["params"], comm)
+        assert _bitwise_same_on_every_rank(before["energy"].mean, comm)
+        everyone = np.concatenate(comm.allgather(before["samples"]), axis=0)
+        ref = nk.vqs.MCState(nk.sampler.MetropolisLocal(hilbert, n_chains=everyone.shape[0]), vstate.model,
+                             variables={"params": before["params"]}, n_samples=everyone[..., 0].size)
+        ref._samples = jnp.asarray(everyone)
+        ref_energy, ref_grad = ref.expect_and_grad(H)
+        _assert_stats_close(before["energy"], ref_energy)
+        sr = nk.optimizer.SR(qgt=nk.optimizer.qgt.QGTJacobianDense, solver=nk.optimizer.solver.cholesky,
+                             diag_shift=schedule)
+        expected = sr(ref, ref_grad, before["step"])
+        _assert_trees_close(before["update"], expected, rtol=1e-8, atol=1e-10)
+        _assert_trees_close(after["params"], tmap(lambda p, u: p - lr * u, before["params"], before["update"]),
+                            rtol=1e-14, atol=1e-15)
+    assert _bitwise_same_on_every_rank(vstate.parameters, comm)
+
+
+# -- whole programs -------------------------------------------------------------------------------
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTLINALG_", "PYTEST_"))}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.serial
+def test_importing_distlinalg_netket_does_not_import_netket():
+    code = ("import sys, distlinalg, distlinalg.netket as d; assert 'netket' not in sys.modules, 'imported'; "
+            "d.SR(diag_shift=0.1); assert 'netket' not in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.serial
+def test_example_script_on_two_ranks():
+    """examples/netket_sr/vmc_sr.py as a 2-rank job, 25 steps: the last line is the accuracy."""
+    cmd = find_mpiexec() + ["-n", "2", sys.executable, str(SCRIPT)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(VMC_SR_ITERS="25"), capture_output=True, text=True,
+                              timeout=240, start_new_session=True)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"vmc_sr.py still running after {err.timeout} s: {err.output}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert "tfim L=16, 2 rank(s), 1024 samples per step, 25 steps" in proc.stdout, proc.stdout
+    match = re.search(r"relative error (\d\.\de-\d\d)$", lines[-1])
+    assert match, lines[-1]
+    assert float(match.group(1)) < 3e-3, lines[-1]  # 25 steps from a random RBM: about 1e-3
