@@ -131,6 +131,8 @@ NG_CASES = [
     pytest.param("complex", "parameters", False, None, "minres", marks=TWO),
     ("complex", "samples", True, None, "cg"),
     ("complex", "parameters", True, None, "cholesky"),
+    ("real", "parameters", True, 2, "cholesky"),
+    pytest.param("holomorphic", "parameters", True, None, "cholesky", marks=TWO),
 ]
 
 

@@ -105,13 +105,27 @@ def parameter_space_update(model, e, *, diag_shift, solver, rtol, atol, maxiter,
         return _krylov(solver, S, F, rtol, atol, maxiter)
     if model.sharded_params:
         raise ValueError(f"{_NAME}: solver='cholesky' needs replicated parameters")
-    flat, unravel = ravel_pytree(F)
-    if model.split:  # S acts on (Re δ, Im δ)
-        n = flat.size
-        pair, info = _dense_solve(S.to_dense(), jnp.concatenate([jnp.real(flat), jnp.imag(flat)]))
-        return unravel(pair[:n] + 1j * pair[n:]), info
-    x, info = _dense_solve(S.to_dense(), flat)
-    return unravel(x), info
+    if model.communicates:  # no per-sample rows: S column by column
+        flat, unravel = ravel_pytree(F)
+        if model.split:  # S acts on (Re δ, Im δ)
+            n = flat.size
+            pair, info = _dense_solve(S.to_dense(), jnp.concatenate([jnp.real(flat), jnp.imag(flat)]))
+            return unravel(pair[:n] + 1j * pair[n:]), info
+        x, info = _dense_solve(S.to_dense(), flat)
+        return unravel(x), info
+    x, info = _dense_solve(dense_gram(model, diag_shift), ravel_pytree(model.to_space(F))[0])
+    _, unravel_theta = ravel_pytree(model.theta)
+    return model.from_space(unravel_theta(x)), info
+
+
+def dense_gram(model: LinearisedModel, diag_shift: Any) -> jax.Array:
+    """S + λ I as a dense n × n matrix in the mode's parameter space: Σ over
+    ranks of R_rᴴ R_r / N from this rank's Jacobian rows (one n²-sized allreduce)."""
+    rows = model.local_rows()
+    S = jnp.conj(rows).T @ rows
+    if model.comm.size > 1:
+        S = allreduce(S, "sum", comm=model.comm)
+    return S / model.n_total + diag_shift * jnp.eye(S.shape[0], dtype=S.dtype)
 
 
 def sample_space_update(model, e, *, diag_shift, solver, rtol, atol, maxiter):
@@ -173,8 +187,10 @@ def natural_gradient(
         (complex S and F); complex params are (Re θ, Im θ) pairs outside
         "holomorphic". Default None: NetKet's choice ("complex" for a complex
         output, else "real").
-      solver: "cg", "minres", "cholesky" (dense; the parameter space or the
-        gathered N·k × N·k matrix: for small problems), or a callable
+      solver: "cg", "minres", "cholesky" (dense, for small systems: in
+        parameter space S from each rank's Jacobian rows and one n × n
+        allreduce; in sample space T's rows from a ring of Jacobian-row
+        pieces, gathered to N·k × N·k), or a callable
         ``solver(operator, rhs) -> (x, info)`` such as
         ``functools.partial(distlinalg.cg, M=...)``.
       rtol, atol, maxiter: the Krylov solve's stopping rule (rtol default
