@@ -233,6 +233,7 @@ def test_gradients_wrt_diag_shift_and_residuals(comm, rank, size, model, space):
     # The residuals' cotangent: each rank holds its own samples' entries.
     np.testing.assert_allclose(np.asarray(g_e), np.asarray(r_e)[slice_of(counts, rank)], rtol=1e-7, atol=1e-10)
 
+    loss = jax.jit(loss)  # one compilation for the finite differences and the JVPs below
     # Finite differences of the distributed loss itself (central; the update
     # is linear in the residuals, so a large step is exact there).
     h = 1e-5
@@ -248,6 +249,7 @@ def test_gradients_wrt_diag_shift_and_residuals(comm, rank, size, model, space):
     np.testing.assert_allclose(float(tangent_shift), float(g_shift), rtol=1e-7)
 
 
+@TWO
 def test_gradient_wrt_params(comm, rank, size):
     """Meta-gradient through the update with respect to the parameters."""
     counts = counts_of(size)
