@@ -32,7 +32,8 @@ from ._jacobian import LinearisedModel
 __all__ = ["sample_gram", "sample_gram_operator", "SampleGramOperator", "sample_structure"]
 
 _NAME = "distlinalg.operators.sample_gram"
-RING_PIECE_ROWS = 256  # rows of Ō that travel together in to_dense's ring
+RING_PIECE_BYTES = 32 << 20  # size of the pieces of Ō's rows that travel in to_dense's ring
+RING_PIECE_ROWS = None  # or a fixed number of rows per piece (tests)
 
 
 # -- the math, one small function per term -------------------------------------------
@@ -55,7 +56,7 @@ def ring_products(rows: jax.Array, counts: Any, per_sample: int, comm: Any) -> j
     """This rank's rows of R Rᴴ from every rank's rows R_q, (n_r·k, N·k).
 
     The own block R_r R_rᴴ is one product. Every rank's rows then travel
-    around the ring of ranks in pieces of at most RING_PIECE_ROWS rows (P − 1
+    around the ring of ranks in pieces of at most RING_PIECE_BYTES (P − 1
     sendrecv steps per piece, the same number of equally sized pieces on
     every rank), each meeting this rank's rows in a product R_r R_qᴴ.
     Memory: this rank's rows, two pieces and the result.
@@ -66,7 +67,8 @@ def ring_products(rows: jax.Array, counts: Any, per_sample: int, comm: Any) -> j
     blocks[rank] = rows @ jnp.conj(rows).T
     if size == 1:
         return blocks[rank]
-    n_pieces = max(1, -(-max(widths) // RING_PIECE_ROWS))
+    piece_rows = RING_PIECE_ROWS or max(1, RING_PIECE_BYTES // (rows.shape[1] * rows.dtype.itemsize))
+    n_pieces = max(1, -(-max(widths) // piece_rows))
     height = -(-max(widths) // n_pieces)
     pieces: list[list[Any]] = [[] for _ in range(size)]
     for j in range(n_pieces):
@@ -108,7 +110,7 @@ class SampleGramOperator(LinearOperator):
         ``gather=True`` the whole ``(N·k, N·k)`` matrix on every rank.
 
         Replicated parameters: forms this rank's Jacobian rows (n_r·k × n)
-        and passes them around the ring of ranks in pieces of 256 rows
+        and passes them around the ring of ranks in pieces of 32 MiB
         (memory per rank O(n_r·k·n + N·n_r·k²), never the whole Jacobian).
         Sharded parameters (or a model that communicates): T applied to the
         N·k unit vectors (batched), whose intermediate is N·k × this rank's
