@@ -15,6 +15,38 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 
+VISIBLE, HIDDEN = 4, 3
+
+
+# -- small models shared by the tests ---------------------------------------------------
+def params_of(dtype, seed=1):
+    rng = np.random.default_rng(seed)
+
+    def draw(*shape):
+        x = 0.3 * rng.standard_normal(shape)
+        if np.issubdtype(dtype, np.complexfloating):
+            x = x + 0.3j * rng.standard_normal(shape)
+        return jnp.asarray(x, dtype)
+
+    return {"W": draw(HIDDEN, VISIBLE), "b": draw(HIDDEN), "a": draw(VISIBLE)}
+
+
+def rbm(p, x):
+    """log ψ of a restricted Boltzmann machine (holomorphic in p)."""
+    return x @ p["a"] + jnp.sum(jnp.log(jnp.cosh(x @ p["W"].T + p["b"])), axis=-1)
+
+
+def rbm_with_phase(p, x):
+    """Real parameters, complex output."""
+    return rbm(p, x) + 1j * jnp.sum(jnp.sin(x @ p["W"].T), axis=-1)
+
+
+def non_holomorphic(p, x):
+    """Complex parameters through conj: only the "complex" mode is right."""
+    return rbm(p, x) + 0.5 * x @ jnp.conj(p["a"]) * 1j
+
+
+# -- references ---------------------------------------------------------------------------
 def splits(params, mode):
     return mode != "holomorphic" and any(jnp.iscomplexobj(x) for x in jax.tree_util.tree_leaves(params))
 

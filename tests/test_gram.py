@@ -13,10 +13,7 @@ from jax.flatten_util import ravel_pytree
 import distlinalg as dl
 from distlinalg import operators as ops
 from distlinalg.comm import allgather, allreduce, reduce_scatter
-from jacobian_reference import jacobian_rows, splits
-
-VISIBLE, HIDDEN = 4, 3
-
+from jacobian_reference import VISIBLE, jacobian_rows, non_holomorphic, params_of, rbm, rbm_with_phase, splits
 
 def uneven_counts(size):
     """Samples per rank, different on every rank. The tests that can use these
@@ -30,33 +27,6 @@ def samples_of(counts, rank, seed=0):
     everything = np.random.default_rng(seed).choice([-1.0, 1.0], size=(total, VISIBLE))
     start = int(sum(counts[:rank]))
     return everything, everything[start : start + counts[rank]]
-
-
-def params_of(dtype, seed=1):
-    rng = np.random.default_rng(seed)
-
-    def draw(*shape):
-        x = 0.3 * rng.standard_normal(shape)
-        if np.issubdtype(dtype, np.complexfloating):
-            x = x + 0.3j * rng.standard_normal(shape)
-        return jnp.asarray(x, dtype)
-
-    return {"W": draw(HIDDEN, VISIBLE), "b": draw(HIDDEN), "a": draw(VISIBLE)}
-
-
-def rbm(p, x):
-    """log ψ of a restricted Boltzmann machine (holomorphic in p)."""
-    return x @ p["a"] + jnp.sum(jnp.log(jnp.cosh(x @ p["W"].T + p["b"])), axis=-1)
-
-
-def rbm_with_phase(p, x):
-    """Real parameters, complex output: the "real" mode's two channels."""
-    return rbm(p, x) + 1j * jnp.sum(jnp.sin(x @ p["W"].T), axis=-1)
-
-
-def non_holomorphic(p, x):
-    """Complex parameters through conj: only the "complex" mode is right."""
-    return rbm(p, x) + 0.5 * x @ jnp.conj(p["a"]) * 1j
 
 
 MODELS = {

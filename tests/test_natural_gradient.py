@@ -18,9 +18,9 @@ from jax.flatten_util import ravel_pytree
 import distlinalg as dl
 from distlinalg import operators as ops
 from distlinalg.comm import allgather, reduce_scatter
-from jacobian_reference import jacobian_rows, natural_gradient_reference, residual_vector
+from jacobian_reference import (VISIBLE, jacobian_rows, natural_gradient_reference, non_holomorphic, params_of, rbm,
+                                rbm_with_phase)
 
-VISIBLE, HIDDEN = 4, 3
 
 
 def counts_of(size):
@@ -40,30 +40,6 @@ def data(counts, rank, complex_residuals, seed=0):
     e = rng.standard_normal(total) + (1j * rng.standard_normal(total) if complex_residuals else 0)
     mine = slice_of(counts, rank)
     return X, e, jnp.asarray(X[mine]), jnp.asarray(e[mine])
-
-
-def params_of(dtype, seed=1):
-    rng = np.random.default_rng(seed)
-
-    def draw(*shape):
-        x = 0.3 * rng.standard_normal(shape)
-        if np.issubdtype(dtype, np.complexfloating):
-            x = x + 0.3j * rng.standard_normal(shape)
-        return jnp.asarray(x, dtype)
-
-    return {"W": draw(HIDDEN, VISIBLE), "b": draw(HIDDEN), "a": draw(VISIBLE)}
-
-
-def rbm(p, x):
-    return x @ p["a"] + jnp.sum(jnp.log(jnp.cosh(x @ p["W"].T + p["b"])), axis=-1)
-
-
-def rbm_with_phase(p, x):
-    return rbm(p, x) + 1j * jnp.sum(jnp.sin(x @ p["W"].T), axis=-1)
-
-
-def non_holomorphic(p, x):
-    return rbm(p, x) + 0.5 * x @ jnp.conj(p["a"]) * 1j
 
 
 # name: (model, parameter dtype, mode)
