@@ -344,8 +344,7 @@ class LinearisedModel:
         # A communicating model mixes ranks in its transpose: rank q's sample
         # i alone is seeded in turn, so every rank gets its block of the row
         # (q, i): P rounds of max n_r seeds each.
-        jvp, transpose = self._linearise(self.samples) if self._chunk is not None else (self._jvp, self._transpose)
-        del jvp
+        transpose = self._linearise(self.samples)[1] if self._chunk is not None else self._transpose
         longest = int(self.counts.max())
         total = tree_map(lambda a: jnp.zeros(a.shape, jnp.real(a).dtype), theta)
         seeds = jnp.eye(max(longest, 1), self.n_local, dtype=self.dtype)
