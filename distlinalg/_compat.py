@@ -14,6 +14,8 @@ from jax.interpreters import ad, batching, mlir  # semi-public modules
 
 from jax._src import effects as _effects  # private
 from jax._src import core as _core  # private
+from jax._src import dtypes as _dtypes  # private
+from jax._src.lax import lax as _lax_internal  # private
 from jax._src.lib.mlir.dialects import hlo as _hlo  # private
 
 __all__ = [
@@ -27,11 +29,27 @@ __all__ = [
     "ad",
     "batching",
     "mlir",
+    "convert_element_type",
+    "is_weakly_typed",
 ]
 
 Effect = _effects.Effect
 ShapedArray = _core.ShapedArray
 abstract_token = _core.abstract_token
+
+def convert_element_type(x: Any, dtype: Any, weak_type: bool) -> Any:
+    """`x` as `dtype`, weakly typed or not (the public astype always makes it strong).
+
+    The solvers keep a weakly typed right-hand side (a Python float) weak in
+    the solution, as jax.scipy.sparse.linalg does.
+    """
+    return _lax_internal._convert_element_type(x, dtype, weak_type)
+
+
+def is_weakly_typed(x: Any) -> bool:
+    """Whether `x` has a weak dtype (a Python scalar's, which yields in promotion)."""
+    return bool(_dtypes.is_weakly_typed(x))
+
 
 # The batch dimension of an unbatched operand in a batching rule: None in JAX
 # 0.10 (batching.NotMapped = type(None)); older releases exported not_mapped.
@@ -199,3 +217,50 @@ def set_cuda_visible_devices(devices: str) -> None:
 def requested_platforms() -> str:
     """JAX_PLATFORMS / jax_platforms as given ("" when JAX chooses)."""
     return str(jax.config.jax_platforms or "")
+
+
+# ---------------------------------------------------------------------------
+# Detached token scopes (distlinalg.comm._core.run_detached): a region of
+# distlinalg calls lowered with an MPI token of its own, for code that JAX
+# lowers without passing one (lineax's linear_solve_p declares no effects).
+def new_token_set(existing: Any, effect: Any, token: Any) -> Any:
+    """``existing`` (a lowering context's TokenSet) plus `effect` ↦ `token`."""
+    return mlir.TokenSet({**dict(existing.items()), effect: token})
+
+
+def token_set_without(tokens: Any, effect: Any) -> Any:
+    return mlir.TokenSet({e: t for e, t in tokens.items() if e is not effect and e != effect})
+
+
+def lower_jaxpr_inline(ctx: Any, jaxpr: Any, tokens: Any, consts: Any, args: Any) -> tuple[Any, Any]:
+    """Emit `jaxpr` (with constvar values `consts`) into the current lowering,
+    threading `tokens`; returns (outputs, tokens out)."""
+    return mlir.jaxpr_subcomp(
+        ctx.module_context, jaxpr, ctx.name_stack, tokens, list(consts), *args,
+        dim_var_values=ctx.dim_var_values, const_lowering=ctx.const_lowering, outer_traceback=None,
+    )
+
+
+def apply_primitive(prim: Any, *args: Any, **params: Any) -> Any:
+    """Evaluate a primitive eagerly by compiling it alone (JAX's default impl)."""
+    from jax._src import dispatch  # private
+
+    return dispatch.apply_primitive(prim, *args, **params)
+
+
+def lowering_trace() -> bool:
+    """Whether JAX is tracing Python code *while lowering* a program.
+
+    That happens in lowering rules made by ``mlir.lower_fun`` (lineax's
+    linear_solve_p re-traces its impl there), including the while-loop
+    bodies and branches traced inside. An MLIR insertion point is active
+    exactly while JAX emits a program; ordinary tracing (jit, eval_shape,
+    make_jaxpr) happens before lowering, with none.
+    """
+    from jax._src.lib.mlir import ir  # private
+
+    try:
+        ir.InsertionPoint.current
+    except ValueError:
+        return False
+    return True

@@ -238,8 +238,8 @@ def test_bad_static_input_raises_everywhere(comm):
         (dict(maxiter=2.5), "maxiter must be an integer"),
         (dict(maxiter=True), "maxiter must be an integer"),
         (dict(layout="diagonal"), "layout must be one of"),
-        (dict(x0={"a": b}), "same pytree structure"),
-        (dict(x0=np.ones(N + 1)), "differ in shape"),
+        (dict(x0={"a": b}), "x0 and b must have matching tree structure"),
+        (dict(x0=np.ones(N + 1)), "x0 and b must have matching shapes"),
     ]
     for solve in (cg, minres):
         for options, message in bad:

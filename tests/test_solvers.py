@@ -248,7 +248,7 @@ def test_history_and_monitor(comm, rank, capfd):
 def test_bad_input(comm):
     A = spd()
     b = np.ones(N)
-    with pytest.raises(ValueError, match="same pytree structure"):
+    with pytest.raises(ValueError, match="x0 and b must have matching tree structure"):
         cg(A, {"a": b}, x0=b, comm=comm)
     with pytest.raises(ValueError, match="square"):
         cg(np.ones((N, N + 1)), b, comm=comm)

@@ -1,7 +1,8 @@
 """Krylov solvers across MPI ranks, differentiable end to end.
 
-``cg`` (conjugate gradients, standard or single-reduction) and ``minres``
-(symmetric indefinite, with shift) run inside ``jax.jit`` on replicated or
+``cg`` (conjugate gradients, standard or single-reduction), ``minres``
+(symmetric indefinite, with shift), ``gmres`` and ``bicgstab`` (general
+nonsymmetric systems; with cg a superset of jax.scipy.sparse.linalg) run inside ``jax.jit`` on replicated or
 sharded vectors, return a :class:`SolverInfo` identical on every rank, and
 differentiate through ``lax.custom_linear_solve`` (one extra solve). Their
 loops are steered only by values identical on every rank; inputs that differ
@@ -11,9 +12,11 @@ solves the SR / MinSR system of a sharded model in parameter or sample space.
 """
 
 from ._common import Reason, SolverInfo
+from .bicgstab import bicgstab
 from .cg import cg
+from .gmres import gmres
 from .minres import minres
 from .natural_gradient import natural_gradient
 from .preconditioners import jacobi
 
-__all__ = ["cg", "minres", "natural_gradient", "jacobi", "Reason", "SolverInfo"]
+__all__ = ["cg", "minres", "gmres", "bicgstab", "natural_gradient", "jacobi", "Reason", "SolverInfo"]

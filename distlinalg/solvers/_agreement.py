@@ -114,7 +114,7 @@ def _message_dtype(b: Any) -> Any:
     """The real dtype of the solve, at least float32 (maxiter halves stay exact)."""
     dtype = C.scalar_dtype(b)
     real = jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.result_type(float)
-    return jnp.promote_types(real, jnp.float32)
+    return C.common_dtype(real, jnp.float32)
 
 
 def _finite(value: Any) -> Any:

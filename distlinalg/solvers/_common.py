@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _compat
 from .._mpi import Communicator, ReduceOp, resolve_comm
 from ..comm.allgather import allgather
 from ..comm.allreduce import allreduce
@@ -89,37 +90,57 @@ class SolverInfo(NamedTuple):
 
 # ---------------------------------------------------------------------------
 # Operators
-def as_matvec(A: Any, layout: str, like: Any = None, what: str = "A") -> Callable[[Any], Any]:
-    """A callable, a dense array (rows of this rank in the sharded layout is
-    NOT supported for dense arrays: pass an operator) or a distlinalg operator.
+def is_operator(A: Any) -> bool:
+    """A distlinalg operator (it knows its layout), as opposed to a plain callable or matrix."""
+    return hasattr(A, "matvec") and getattr(A, "layout", None) is not None
 
-    A dense A must fit the right-hand side `like` (when given).
+
+def as_matvec(A: Any, layout: str, like: Any = None, what: str = "A") -> Callable[[Any], Any]:
+    """``v -> A v`` for what jax.scipy.sparse.linalg accepts, and distlinalg operators.
+
+    * a distlinalg operator: its matvec (its layout must be the solve's);
+    * a callable: itself;
+    * a NumPy or JAX array: a square matrix, replicated layout only (a
+      sharded matrix is an operator from distlinalg.operators), applied at
+      the highest matmul precision as jax.scipy does;
+    * any other object with ``__matmul__`` (and, if it has one, a square
+      ``shape``): ``A @ v``.
+    Anything else is a TypeError. The messages start with jax.scipy's wording.
     """
-    op_layout = getattr(A, "layout", None)
-    if op_layout is not None and hasattr(A, "matvec"):
-        if op_layout != layout:
+    if is_operator(A):
+        if A.layout != layout:
             raise ValueError(
-                f"distlinalg: the operator's layout is {op_layout!r} but the solve was asked "
-                f"for layout={layout!r}; pass layout={op_layout!r}"
+                f"distlinalg: the operator's layout is {A.layout!r} but the solve was asked "
+                f"for layout={layout!r}; pass layout={A.layout!r}"
             )
         return A.matvec
     if callable(A):
         return A
-    A = jnp.asarray(A)
-    if A.ndim != 2 or A.shape[0] != A.shape[1]:
-        raise ValueError(f"distlinalg: a dense {what} must be a square matrix, got shape {A.shape}")
-    if layout != "replicated":
-        raise ValueError(
-            f"distlinalg: a dense array {what} is a replicated operator (every rank holds all of it); "
-            "use layout='replicated' or a sharded operator from distlinalg.operators"
-        )
-    if like is not None and not _fits_dense(A, like):
-        shapes = [jnp.shape(leaf) for leaf in jax.tree_util.tree_leaves(like)]
-        raise ValueError(f"distlinalg: a dense {what} of shape {A.shape} does not fit b (leaf shapes {shapes})")
-    return lambda v: A @ v
+    if isinstance(A, (np.ndarray, jax.Array)):
+        if A.ndim != 2 or A.shape[0] != A.shape[1]:
+            raise ValueError(f"linear operator must be a square matrix, but has shape: {A.shape} "
+                             f"(distlinalg: {what} as a dense array)")
+        if layout != "replicated":
+            raise ValueError(
+                f"distlinalg: a dense array {what} is a replicated operator (every rank holds all of it); "
+                "use layout='replicated' or a sharded operator from distlinalg.operators"
+            )
+        if like is not None and not _fits_dense(A, like):
+            shapes = [jnp.shape(leaf) for leaf in jax.tree_util.tree_leaves(like)]
+            raise ValueError(f"distlinalg: a dense {what} of shape {A.shape} does not fit b (leaf shapes {shapes})")
+        matrix = A
+        return lambda v: jnp.matmul(matrix, v, precision=jax.lax.Precision.HIGHEST)
+    if hasattr(A, "__matmul__"):
+        shape = getattr(A, "shape", None)
+        if shape is not None and (len(shape) != 2 or shape[0] != shape[1]):
+            raise ValueError(f"linear operator must be a square matrix, but has shape: {shape}")
+        return lambda v: A @ v
+    raise TypeError(f"linear operator must be either a function or ndarray: {A!r} "
+                    f"(distlinalg: {what} may be a callable, an array, an object with __matmul__ "
+                    "or a distlinalg operator)")
 
 
-def _fits_dense(A: jax.Array, like: Any) -> bool:
+def _fits_dense(A: Any, like: Any) -> bool:
     leaves = jax.tree_util.tree_leaves(like)
     return len(leaves) == 1 and jnp.ndim(leaves[0]) >= 1 and jnp.shape(leaves[0])[0] == A.shape[1]
 
@@ -135,24 +156,39 @@ def check_layout(layout: str | None) -> str:
 
 
 def check_same_structure(b: Any, x0: Any) -> None:
+    """x0 fits b (jax.scipy's wording, so code that matches its errors keeps working)."""
     sb, sx = jax.tree_util.tree_structure(b), jax.tree_util.tree_structure(x0)
     if sb != sx:
-        raise ValueError(f"distlinalg: x0 and b must have the same pytree structure, got {sx} and {sb}")
-    for lb, lx in zip(jax.tree_util.tree_leaves(b), jax.tree_util.tree_leaves(x0)):
-        if jnp.shape(lb) != jnp.shape(lx):
-            raise ValueError(f"distlinalg: x0 and b leaves differ in shape: {jnp.shape(lx)} vs {jnp.shape(lb)}")
+        raise ValueError(f"x0 and b must have matching tree structure: {sx} vs {sb}")
+    shapes_b = [jnp.shape(leaf) for leaf in jax.tree_util.tree_leaves(b)]
+    shapes_x = [jnp.shape(leaf) for leaf in jax.tree_util.tree_leaves(x0)]
+    if shapes_b != shapes_x:
+        raise ValueError(f"arrays in x0 and b must have matching shapes: {shapes_x} vs {shapes_b}")
 
 
 # ---------------------------------------------------------------------------
 # Vector algebra on pytrees
+def as_coefficient(alpha: Any, leaf: Any) -> Any:
+    """The scalar `alpha` in `leaf`'s dtype (and weak type).
+
+    The recurrences' scalars are real (norms, HPD inner products) or of the
+    system's dtype; casting them to each leaf first keeps every vector update
+    in the vectors' own dtype, so the solvers run under
+    ``jax_numpy_dtype_promotion="strict"`` and keep weakly typed inputs weak.
+    """
+    if not jnp.iscomplexobj(leaf) and jnp.iscomplexobj(alpha):
+        alpha = jnp.real(alpha)
+    return _compat.convert_element_type(alpha, jnp.result_type(leaf), _compat.is_weakly_typed(leaf))
+
+
 def tree_axpy(alpha: Any, x: Any, y: Any) -> Any:
     """alpha * x + y."""
-    return jax.tree_util.tree_map(lambda a, b: (alpha * a).astype(b.dtype) + b, x, y)
+    return jax.tree_util.tree_map(lambda a, b: as_coefficient(alpha, b) * a.astype(b.dtype) + b, x, y)
 
 
 def tree_scale_add(x: Any, beta: Any, y: Any) -> Any:
     """x + beta * y."""
-    return jax.tree_util.tree_map(lambda a, b: a + (beta * b).astype(a.dtype), x, y)
+    return jax.tree_util.tree_map(lambda a, b: a + as_coefficient(beta, a) * b.astype(a.dtype), x, y)
 
 
 def tree_sub(x: Any, y: Any) -> Any:
@@ -160,17 +196,34 @@ def tree_sub(x: Any, y: Any) -> Any:
 
 
 def tree_scale(alpha: Any, x: Any) -> Any:
-    return jax.tree_util.tree_map(lambda a: (alpha * a).astype(a.dtype), x)
+    return jax.tree_util.tree_map(lambda a: as_coefficient(alpha, a) * a, x)
 
 
 def local_vdot(x: Any, y: Any) -> Any:
-    """Σ conj(x)·y over all leaves of this rank's pieces (complex when inputs are)."""
-    parts = [jnp.vdot(a, b) for a, b in zip(jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y))]
+    """Σ conj(x)·y over all leaves of this rank's pieces (complex when inputs are).
+
+    Leaves of different dtypes (a real and a complex leaf in one pytree) are
+    summed in their common dtype, explicitly (strict dtype promotion).
+    """
+    parts = [jnp.vdot(a, b, precision=jax.lax.Precision.HIGHEST)
+             for a, b in zip(jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y))]
+    dtype = common_dtype(*[p.dtype for p in parts])
+    parts = [p.astype(dtype) for p in parts]
     return sum(parts[1:], parts[0])
 
 
+def common_dtype(*dtypes: Any) -> Any:
+    """The dtype that holds all of `dtypes`, by JAX's standard promotion.
+
+    Used where the solvers combine values explicitly (then cast), so it also
+    holds under ``jax_numpy_dtype_promotion="strict"``.
+    """
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.result_type(*dtypes)
+
+
 def scalar_dtype(tree: Any) -> Any:
-    return jnp.result_type(*jax.tree_util.tree_leaves(tree))
+    return common_dtype(*[jnp.result_type(leaf) for leaf in jax.tree_util.tree_leaves(tree)])
 
 
 class Reductions:
@@ -187,11 +240,18 @@ class Reductions:
         self.count = 0  # allreduces emitted per traced iteration (benchmarks read it)
 
     def dots(self, pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
-        values = jnp.stack([local_vdot(x, y) for x, y in pairs])
+        local = [local_vdot(x, y) for x, y in pairs]
+        dtype = common_dtype(*[v.dtype for v in local])
+        values = self.sum(jnp.stack([v.astype(dtype) for v in local]))
+        return [values[i] for i in range(len(pairs))]
+
+    def sum(self, values: Any) -> Any:
+        """Σ over ranks of a small vector of local partial sums (sharded layout;
+        the replicated layout's local values are already whole)."""
         if self.layout == "sharded":
             self.count += 1
             values = allreduce(values, "sum", comm=self.comm)
-        return [values[i] for i in range(len(pairs))]
+        return values
 
     def max_abs(self, tree: Any) -> Any:
         """max |v_i| over the whole (global) vector, identical on every rank.
@@ -434,6 +494,12 @@ class Problem(NamedTuple):
     maxiter: Any
     reductions: Reductions
     invalid: Any
+    b: Any  # the right-hand side as arrays (Python scalars become weakly typed arrays)
+
+
+def as_arrays(tree: Any) -> Any:
+    """Every leaf as a JAX array (Python numbers stay weakly typed, as in jax.scipy)."""
+    return jax.tree_util.tree_map(jnp.asarray, tree)
 
 
 def setup(A: Any, b: Any, x0: Any, M: Any, tol: Any, rtol: Any, atol: Any, maxiter: Any,
@@ -445,10 +511,9 @@ def setup(A: Any, b: Any, x0: Any, M: Any, tol: Any, rtol: Any, atol: Any, maxit
     `collectively`): an argument that is invalid on some rank raises a
     ValueError on every rank.
     """
-    is_operator = hasattr(A, "matvec") and getattr(A, "layout", None) is not None
     if layout is None:
-        layout = A.layout if is_operator else "replicated"
-    if comm is None and is_operator:
+        layout = A.layout if is_operator(A) else "replicated"
+    if comm is None and is_operator(A):
         comm = getattr(A, "comm", None)
     comm = resolve_comm(comm)
 
@@ -456,12 +521,13 @@ def setup(A: Any, b: Any, x0: Any, M: Any, tol: Any, rtol: Any, atol: Any, maxit
         checked_layout = check_layout(layout)
         rtol_, atol_, bad_tolerance = resolve_tolerances(tol, rtol, atol)
         maxiter_, bad_maxiter = check_maxiter(maxiter)
-        x0_ = jax.tree_util.tree_map(jnp.zeros_like, b) if x0 is None else x0
-        check_same_structure(b, x0_)
-        matvec = as_matvec(A, checked_layout, b, "A")
-        precond = identity if M is None else as_matvec(M, checked_layout, b, "M")
+        b_ = as_arrays(b)
+        x0_ = jax.tree_util.tree_map(jnp.zeros_like, b_) if x0 is None else as_arrays(x0)
+        check_same_structure(b_, x0_)
+        matvec = as_matvec(A, checked_layout, b_, "A")
+        precond = identity if M is None else as_matvec(M, checked_layout, b_, "M")
         return Problem(matvec, precond, x0_, rtol_, atol_, maxiter_, Reductions(checked_layout, comm),
-                       bad_tolerance | bad_maxiter)
+                       bad_tolerance | bad_maxiter, b_)
 
     return collectively(build, comm)
 
@@ -470,7 +536,7 @@ _MESSAGE_BYTES = 256
 
 
 def collectively(build: Callable[[], Any], comm: Communicator) -> Any:
-    """`build()`, with its ValueError raised on every rank if it is raised on any.
+    """`build()`, with its ValueError (or TypeError) raised on every rank if it is raised on any.
 
     Argument checks run at trace time on each rank, and the arguments of a
     replicated solve can differ between ranks (a b built by rank-dependent
@@ -483,14 +549,17 @@ def collectively(build: Callable[[], Any], comm: Communicator) -> Any:
     """
     try:
         value, error = build(), None
-    except ValueError as raised:
+    except (ValueError, TypeError) as raised:
         value, error = None, raised
     if comm.size > 1:
-        messages = _exchange_messages("" if error is None else str(error), comm)
+        # The first byte of a message names the exception type (V or T).
+        mine = "" if error is None else ("T" if isinstance(error, TypeError) else "V") + str(error)
+        messages = _exchange_messages(mine, comm)
         failed = [r for r, message in enumerate(messages) if message]
         if failed and error is None:
-            details = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
-            raise ValueError(f"distlinalg: invalid solver arguments on rank(s) {failed} ({details})")
+            details = "; ".join(f"rank {r}: {messages[r][1:]}" for r in failed)
+            kind = TypeError if all(messages[r][0] == "T" for r in failed) else ValueError
+            raise kind(f"distlinalg: invalid solver arguments on rank(s) {failed} ({details})")
     if error is not None:
         raise error
     return value

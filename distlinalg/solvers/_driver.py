@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .. import _compat
 from ..ad.grad import sum_tree_over_ranks
 from . import _common as C
 from ._agreement import agree_inputs
@@ -33,6 +34,7 @@ def krylov_solve(
     problem: C.Problem,
     *,
     history: int,
+    hermitian: bool = True,
 ) -> tuple[Any, C.SolverInfo]:
     """Solve A x = b with `iterate(matvec, b, x0, rtol, atol, maxiter, start) -> (x, info)`.
 
@@ -41,6 +43,13 @@ def krylov_solve(
     `history` is the length of ``info.history`` the iteration returns.
     x0 and everything the iteration closes over other than `matvec` (the
     preconditioner, tolerances) are not differentiated.
+
+    `hermitian`: A = Aᴴ (cg, minres), so the transposed solve of reverse mode
+    reuses `matvec`. Otherwise (gmres, bicgstab) the transposed solve runs the
+    same iteration on Aᵀ, the transpose JAX derives from `matvec`; in the
+    replicated layout that is each rank's share of the whole-program adjoint
+    (see docs/ad.md), and the matrix transpose every rank holds is its mean
+    over ranks (`replicated_transpose`).
     """
     reductions = problem.reductions
     x0 = jax.lax.stop_gradient(problem.x0)
@@ -60,7 +69,8 @@ def krylov_solve(
             # between ranks (a loss that uses x differently on each rank).
             # Without it the transposed solve mixes rank-dependent vectors in
             # a matvec that assumes identical copies.
-            rhs = jax.tree_util.tree_map(lambda v: v / replicated_ranks, sum_tree_over_ranks(rhs, reductions.comm))
+            rhs = jax.tree_util.tree_map(lambda v: v / jnp.asarray(replicated_ranks, v.dtype),
+                                         sum_tree_over_ranks(rhs, reductions.comm))
         # Scale by the largest entry, not the 2-norm: the squared norm of a
         # 1e-300 cotangent is already 0. A zero or non-finite rhs keeps
         # scale 1 (the iteration then reports it).
@@ -91,6 +101,14 @@ def krylov_solve(
         # cond becomes a select of both branches; `start` still stops the loop.
         return jax.lax.cond(agreed.consistent, lambda r: run(mv, r), lambda r: skip(mv, r), rhs)
 
+    if not hermitian:
+        def general_transpose_solve(vecmat, ct):
+            transposed = vecmat if replicated_ranks == 1 else replicated_transpose(vecmat, reductions.comm)
+            return solve(transposed, ct)
+
+        return jax.lax.custom_linear_solve(
+            matvec, b, solve, transpose_solve=general_transpose_solve, symmetric=False, has_aux=True
+        )
     if complex_system:
         # Hermitian A: Aᵀ v = conj(A conj(v)), so the transposed solve is the
         # conjugated solve with the same operator (and Mᵀ = conj(M conj(.))).
@@ -105,13 +123,35 @@ def krylov_solve(
     return jax.lax.custom_linear_solve(matvec, b, solve, symmetric=True, has_aux=True)
 
 
+def replicated_transpose(vecmat: Callable[[Any], Any], comm: Any) -> Callable[[Any], Any]:
+    """Aᵀ of a replicated operator from the transpose of its matvec.
+
+    For a matvec that communicates, e.g. A x = Σ_r A_r x (an allreduce of
+    each rank's part), the transposed program on rank r gives
+    A_rᵀ Σ_s w_s: its share of the adjoint of the whole SPMD program, which
+    for identical w is P A_rᵀ w, not Aᵀ w. The mean over ranks is Aᵀ w
+    whatever the matvec does inside (a matvec that does not communicate
+    gives Aᵀ w on every rank, and the mean leaves it unchanged). One
+    vector-sized allreduce per transposed product.
+    """
+    ranks = comm.size
+
+    def transposed(w: Any) -> Any:
+        total = sum_tree_over_ranks(vecmat(w), comm)
+        return jax.tree_util.tree_map(lambda v: v / jnp.asarray(ranks, v.dtype), total)
+
+    return transposed
+
+
 def _real_dtype(tree: Any) -> Any:
     dtype = C.scalar_dtype(tree)
     return jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.result_type(float)
 
 
 def _cast_like(x: Any, like: Any) -> Any:
-    return jax.tree_util.tree_map(lambda v, ref: v.astype(ref.dtype), x, like)
+    """x in `like`'s dtypes, weak where `like` is weak (jax.scipy keeps a Python-float b weak)."""
+    return jax.tree_util.tree_map(
+        lambda v, ref: _compat.convert_element_type(v, ref.dtype, _compat.is_weakly_typed(ref)), x, like)
 
 
 def _canonical(info: C.SolverInfo, rhs: Any) -> C.SolverInfo:

@@ -117,7 +117,7 @@ def cg(
         return body(mv, rhs, x_init, p.precond, rtol_agreed, atol_scaled, maxiter_agreed, start, p.reductions,
                     history, monitor)
 
-    return krylov_solve(iterate, p.matvec, b, p, history=history)
+    return krylov_solve(iterate, p.matvec, p.b, p, history=history)
 
 
 def _status(rr_agreed: Any, threshold: Any, k: Any) -> Any:

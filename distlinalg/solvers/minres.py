@@ -91,7 +91,7 @@ def minres(
         return _minres(mv, rhs, x_init, p.precond, rtol_agreed, atol_scaled, maxiter_agreed, start, p.reductions,
                        history, monitor)
 
-    return krylov_solve(iterate, shifted, b, p, history=history)
+    return krylov_solve(iterate, shifted, p.b, p, history=history)
 
 
 def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, history, monitor):
@@ -158,7 +158,9 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, h
         phi = cs * s["phibar"]
         phibar = sn * s["phibar"]
         w1, w2 = s["w2"], s["w"]
-        w = jax.tree_util.tree_map(lambda a, b_, c: (a - oldeps * b_ - delta * c) / gamma, v, w1, w2)
+        w = jax.tree_util.tree_map(
+            lambda a, b_, c: (a - C.as_coefficient(oldeps, a) * b_ - C.as_coefficient(delta, a) * c)
+            / C.as_coefficient(gamma, a), v, w1, w2)
         x = C.tree_axpy(phi, w, s["x"])
         failure = jnp.where(
             ~jnp.isfinite(alfa) | ~jnp.isfinite(beta_new_sq) | ~jnp.isfinite(phibar),
