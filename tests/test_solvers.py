@@ -9,6 +9,7 @@ import pytest
 
 from distlinalg.comm import allreduce
 from distlinalg import comm as C  # noqa: F401
+from distlinalg.operators import LinearOperator
 from distlinalg.solvers import Reason, cg, jacobi, minres
 from conftest import gather_global
 
@@ -257,14 +258,18 @@ def test_bad_input(comm):
     with pytest.raises(ValueError, match="replicated operator"):
         minres(A, b, layout="sharded", comm=comm)
 
-    class ShardedOp:
-        layout = "sharded"
+    sharded_identity = LinearOperator(lambda v: v, layout="sharded", comm=comm)
+    with pytest.raises(ValueError, match="operator's layout is 'sharded'"):
+        cg(sharded_identity, b, layout="replicated", comm=comm)
+
+    class MatvecOnly:  # duck typing is gone: the solvers dispatch on LinearOperator
+        layout = "replicated"
 
         def matvec(self, v):
             return v
 
-    with pytest.raises(ValueError, match="operator's layout is 'sharded'"):
-        cg(ShardedOp(), b, layout="replicated", comm=comm)
+    with pytest.raises(TypeError, match="linear operator must be either a function or ndarray"):
+        cg(MatvecOnly(), b, comm=comm)
     np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [comm.Get_size()])
 
 

@@ -251,8 +251,107 @@ def tree_apply(fn: Callable[[Any], Any], tree: Any) -> Any:
     return jax.tree_util.tree_map(fn, tree)
 
 
+# ---------------------------------------------------------------------------
+# Detached token scopes.
+#
+# JAX threads one token per ordered effect through a program, but only
+# through equations that declare the effect. A primitive that hides what it
+# runs (lineax's linear_solve_p: an equinox primitive whose abstract eval
+# declares no effects and whose lowering re-traces its impl) lowers that
+# code with no MPIEffect token, and JAX fails with ``KeyError: MPIEffect``
+# (so does ``jax.debug.print(ordered=True)``). `run_detached` runs a
+# function as one equation that declares every effect of its body except
+# MPIEffect and lowers the body with an MPI token of its own: a fresh token
+# threaded through every distlinalg call of the body, so they run in program
+# order exactly as in any other program. What is given up is the link to
+# the enclosing program's token, which the enclosing primitive had dropped
+# already: the region is ordered with the rest of the program by data
+# dependencies (its inputs and outputs). See docs/lineax.md.
+detached_p = Primitive("distlinalg_detached")
+detached_p.multiple_results = True
+
+
+def run_detached(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with its MPI calls ordered by a token of the region's own.
+
+    For code that JAX lowers without an MPI token (inside lineax's
+    ``linear_solve``); elsewhere prefer a plain call, which keeps the region
+    in the program's token order. Not differentiable (differentiate around
+    it); vmap works. Eagerly (no trace active) it is ``fn(*args)``.
+    """
+    if _compat.at_top_level():
+        return fn(*args)
+    leaves, in_tree = jax.tree_util.tree_flatten(args)
+    # Array leaves become operands; anything else in the arguments (a
+    # lineax operator's closure-converted jaxpr, Python numbers) is static.
+    dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+    out_tree_box: list[Any] = []
+
+    def flat_fn(*flat: Any) -> list[Any]:
+        full = list(leaves)
+        for i, x in zip(dynamic, flat):
+            full[i] = x
+        out = fn(*jax.tree_util.tree_unflatten(in_tree, full))
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        out_tree_box.append(out_tree)
+        return out_leaves
+
+    flat_args = [leaves[i] for i in dynamic]
+    closed = jax.make_jaxpr(flat_fn)(*flat_args)
+    # Values the body closes over (arrays, or tracers of an enclosing trace)
+    # become operands, so the equation's parameters hold no arrays.
+    consts = list(closed.consts)
+    outs = detached_p.bind(*consts, *flat_args, jaxpr=closed.jaxpr, num_consts=len(consts))
+    return jax.tree_util.tree_unflatten(out_tree_box[0], outs)
+
+
+def _detached_abstract_eval(*avals: Any, jaxpr: Any, num_consts: int) -> Any:
+    effects = {e for e in jaxpr.effects if not isinstance(e, MPIEffect)}
+    return [v.aval for v in jaxpr.outvars], effects
+
+
+def _detached_lowering(ctx: Any, *args: Any, jaxpr: Any, num_consts: int) -> Any:
+    tokens = _compat.new_token_set(ctx.tokens_in, mpi_effect, _compat.fresh_token())
+    outs, tokens_out = _compat.lower_jaxpr_inline(ctx, jaxpr, tokens, args[:num_consts], args[num_consts:])
+    if len(ctx.tokens_in):
+        ctx.set_tokens_out(_compat.token_set_without(tokens_out, mpi_effect))
+    return outs
+
+
+def _detached_batching(args: Any, dims: Any, *, jaxpr: Any, num_consts: int) -> Any:
+    def body(*values: Any) -> Any:
+        return jax.core.eval_jaxpr(jaxpr, values[:num_consts], *values[num_consts:])
+
+    in_axes = tuple(None if d is _compat.not_mapped else d for d in dims)
+    return run_detached(jax.vmap(body, in_axes=in_axes, out_axes=0), *args), [0] * len(jaxpr.outvars)
+
+
+def _detached_not_differentiable(*args: Any, **params: Any) -> Any:
+    raise NotImplementedError(
+        "distlinalg: a detached MPI region (run_detached, used inside lineax's linear_solve) is not "
+        "differentiated; differentiate the solve (lineax's rules), not its inside"
+    )
+
+
+detached_p.def_effectful_abstract_eval(_detached_abstract_eval)
+detached_p.def_impl(functools.partial(_compat.apply_primitive, detached_p))
+mlir.register_lowering(detached_p, _detached_lowering)
+batching.primitive_batchers[detached_p] = _detached_batching
+ad.primitive_jvps[detached_p] = _detached_not_differentiable
+ad.primitive_transposes[detached_p] = _detached_not_differentiable
+
+
+def lowering_without_mpi_token() -> bool:
+    """Whether code traced now is being lowered by JAX without an MPI token
+    (inside ``mlir.lower_fun`` of a primitive, e.g. lineax's linear_solve):
+    distlinalg calls made now must go through :func:`run_detached`."""
+    return _compat.lowering_trace()
+
+
 __all__ = [
     "MPIEffect",
+    "run_detached",
+    "lowering_without_mpi_token",
     "mpi_effect",
     "new_primitive",
     "bind",

@@ -9,6 +9,7 @@ is also what the collectives' transpose rules give for the matvec.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -66,7 +67,13 @@ def dense_rows(
       column-partitioned Aᵀ (one reduce_scatter); ``diagonal()`` for square A.
 
     Every rank must build it together (the block sizes are exchanged once,
-    at trace time).
+    at trace time). The block is the operator's pytree child: pass the
+    operator to a jitted function, or differentiate with respect to it.
+
+    Example::
+
+        A = dense_rows(my_rows)                 # (m_r, N)
+        y = A @ my_block_of_x                   # (m_r,)
     """
     comm = resolve_comm(comm)
     rows = _local_matrix(rows, "dense_rows")
@@ -79,25 +86,19 @@ def dense_rows(
                                       n_total, comm, "column_partition")
     dtype = rows.dtype
 
-    def matvec(x: Any) -> Any:
-        return rows @ allgather_blocks(x, col_partition, comm)
-
-    def transpose(w: Any) -> Any:
-        return reduce_scatter_blocks(rows.T @ w, col_partition, comm)
-
     diagonal = None
     if square and col_partition == row_partition:
-        offset = row_partition.starts[comm.rank]
-        diagonal = lambda: _diagonal_of_block(rows, offset, rows=True)  # noqa: E731
+        diagonal = functools.partial(_diagonal_of_block, offset=row_partition.starts[comm.rank], rows=True)
     return LinearOperator(
-        matvec,
+        functools.partial(_rows_matvec, partition=col_partition, comm=comm),
+        data=rows,
         input_structure=jax.ShapeDtypeStruct((col_partition.size_of(comm.rank),), dtype),
         output_structure=jax.ShapeDtypeStruct((rows.shape[0],), dtype),
         layout="sharded",
         symmetric=symmetric,
         hermitian=hermitian,
         diagonal=diagonal,
-        transpose=transpose,
+        transpose=functools.partial(_rows_transpose, partition=col_partition, comm=comm),
         comm=comm,
         name="DenseRowsOperator",
     )
@@ -123,7 +124,12 @@ def dense_columns(
     Returns:
       A sharded LinearOperator: x_r (n_r,) ↦ y_r, rank r's block of
       Σ_q A[:, C_q] x_q (one reduce_scatter per matvec). ``.T`` is the
-      row-partitioned Aᵀ.
+      row-partitioned Aᵀ. The block is the operator's pytree child.
+
+    Example::
+
+        A = dense_columns(my_columns)           # (M, n_r)
+        y = A @ my_block_of_x                   # this rank's block of A x
     """
     comm = resolve_comm(comm)
     columns = _local_matrix(columns, "dense_columns")
@@ -136,25 +142,37 @@ def dense_columns(
                                       m_total, comm, "row_partition")
     dtype = columns.dtype
 
-    def matvec(x: Any) -> Any:
-        return reduce_scatter_blocks(columns @ x, out_partition, comm)
-
-    def transpose(w: Any) -> Any:
-        return columns.T @ allgather_blocks(w, out_partition, comm)
-
     diagonal = None
     if square and out_partition == col_partition:
-        offset = col_partition.starts[comm.rank]
-        diagonal = lambda: _diagonal_of_block(columns, offset, rows=False)  # noqa: E731
+        diagonal = functools.partial(_diagonal_of_block, offset=col_partition.starts[comm.rank], rows=False)
     return LinearOperator(
-        matvec,
+        functools.partial(_columns_matvec, partition=out_partition, comm=comm),
+        data=columns,
         input_structure=jax.ShapeDtypeStruct((columns.shape[1],), dtype),
         output_structure=jax.ShapeDtypeStruct((out_partition.size_of(comm.rank),), dtype),
         layout="sharded",
         symmetric=symmetric,
         hermitian=hermitian,
         diagonal=diagonal,
-        transpose=transpose,
+        transpose=functools.partial(_columns_transpose, partition=out_partition, comm=comm),
         comm=comm,
         name="DenseColumnsOperator",
     )
+
+
+# The matvecs take the block (the operator's child) first: static functions
+# of (block, vector), so an operator passed to a jitted function traces it.
+def _rows_matvec(rows: jax.Array, x: Any, *, partition: Any, comm: Any) -> Any:
+    return rows @ allgather_blocks(x, partition, comm)
+
+
+def _rows_transpose(rows: jax.Array, w: Any, *, partition: Any, comm: Any) -> Any:
+    return reduce_scatter_blocks(rows.T @ w, partition, comm)
+
+
+def _columns_matvec(columns: jax.Array, x: Any, *, partition: Any, comm: Any) -> Any:
+    return reduce_scatter_blocks(columns @ x, partition, comm)
+
+
+def _columns_transpose(columns: jax.Array, w: Any, *, partition: Any, comm: Any) -> Any:
+    return columns.T @ allgather_blocks(w, partition, comm)

@@ -33,6 +33,7 @@ any input.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -213,48 +214,44 @@ class _Block:
 
 
 class SparseRowsOperator(LinearOperator):
-    """A row-partitioned sparse matrix (see :func:`sparse_rows`)."""
+    """A row-partitioned sparse matrix (see :func:`sparse_rows`).
+
+    Pytree: the children are this rank's values in CSR order and their
+    copies laid out for the local product (computed once, when the operator
+    is built or by :meth:`with_data`); the pattern, partitions and halo plan
+    are static. Differentiate with respect to the values by building the
+    operator inside the differentiated function (``with_data``).
+    """
 
     def __init__(self, *, data: Any, pattern: "_Pattern", symmetric: bool, hermitian: bool, comm: Communicator):
-        self.pattern = pattern
         data = jnp.asarray(data)
         if data.shape != (pattern.nnz,):
             raise ValueError(f"{_NAME}: data must have shape ({pattern.nnz},) (this rank's nonzeros in CSR "
                              f"order), got {data.shape}")
         if not jnp.issubdtype(data.dtype, jnp.inexact):
             data = data.astype(jnp.result_type(float))
-        self.data = data
-        local_values = pattern.local_values(data)
-        plan = pattern.plan
-
-        def matvec(x: Any) -> Any:
-            x = jnp.asarray(x)
-            received = None
-            if plan.width:  # a collective: every rank takes part, halo or not
-                outgoing = jnp.where(plan.send_mask, x[plan.send_index], jnp.zeros((), x.dtype))
-                received = alltoall(outgoing, comm=comm).reshape(-1)
-            return pattern.local_product(local_values, x, received)
-
         dtype = data.dtype
-        diagonal = None
-        if pattern.diagonal_positions is not None:
-            rows_at, data_at = pattern.diagonal_positions
-
-            def diagonal():
-                return jnp.zeros(pattern.rows.size_of(comm.rank), dtype).at[rows_at].add(data[data_at])
-
         super().__init__(
-            matvec,
+            functools.partial(_sparse_matvec, pattern=pattern, comm=comm),
+            # (values in CSR order, values laid out for the product): the
+            # layout is a gather, done here once rather than in every matvec.
+            data=(data, pattern.local_values(data)),
             input_structure=jax.ShapeDtypeStruct((pattern.columns.size_of(comm.rank),), dtype),
             output_structure=jax.ShapeDtypeStruct((pattern.rows.size_of(comm.rank),), dtype),
             layout="sharded",
             symmetric=symmetric,
             hermitian=hermitian,
-            diagonal=diagonal,
+            diagonal=(functools.partial(_sparse_diagonal, pattern=pattern, rank=comm.rank)
+                      if pattern.diagonal_positions is not None else None),
             comm=comm,
             name="SparseRowsOperator",
         )
-        self._flags = (symmetric, hermitian)
+        self.pattern = pattern
+
+    @property
+    def data(self) -> jax.Array:
+        """This rank's values in CSR order (shape (nnz_r,))."""
+        return self._data[0]
 
     @property
     def local_csr(self) -> tuple[jax.Array, np.ndarray, np.ndarray]:
@@ -263,9 +260,25 @@ class SparseRowsOperator(LinearOperator):
 
     def with_data(self, data: Any) -> "SparseRowsOperator":
         """The same pattern (no communication to rebuild it) with new values."""
-        symmetric, hermitian = self._flags
-        return SparseRowsOperator(data=data, pattern=self.pattern, symmetric=symmetric,
-                                  hermitian=hermitian, comm=self.comm)
+        return SparseRowsOperator(data=data, pattern=self.pattern, symmetric=self.symmetric,
+                                  hermitian=self.hermitian, comm=self.comm)
+
+
+def _sparse_matvec(values: tuple, x: Any, *, pattern: "_Pattern", comm: Communicator) -> Any:
+    """(A x)_r from the laid-out values: one alltoall of the halo entries."""
+    x = jnp.asarray(x)
+    plan = pattern.plan
+    received = None
+    if plan.width:  # a collective: every rank takes part, halo or not
+        outgoing = jnp.where(plan.send_mask, x[plan.send_index], jnp.zeros((), x.dtype))
+        received = alltoall(outgoing, comm=comm).reshape(-1)
+    return pattern.local_product(values[1], x, received)
+
+
+def _sparse_diagonal(values: tuple, *, pattern: "_Pattern", rank: int) -> jax.Array:
+    data = values[0]
+    rows_at, data_at = pattern.diagonal_positions
+    return jnp.zeros(pattern.rows.size_of(rank), data.dtype).at[rows_at].add(data[data_at])
 
 
 class _Pattern:

@@ -31,6 +31,7 @@ from .. import _compat
 from .._mpi import Communicator, ReduceOp, resolve_comm
 from ..comm.allgather import allgather
 from ..comm.allreduce import allreduce
+from ..operators._base import LinearOperator  # operators never import the solvers
 
 LAYOUTS = ("replicated", "sharded")
 
@@ -91,8 +92,10 @@ class SolverInfo(NamedTuple):
 # ---------------------------------------------------------------------------
 # Operators
 def is_operator(A: Any) -> bool:
-    """A distlinalg operator (it knows its layout), as opposed to a plain callable or matrix."""
-    return hasattr(A, "matvec") and getattr(A, "layout", None) is not None
+    """A distlinalg operator (:class:`distlinalg.operators.LinearOperator` or a
+    subclass: it brings its layout and communicator), as opposed to a plain
+    callable, matrix or ``__matmul__`` object."""
+    return isinstance(A, LinearOperator)
 
 
 def as_matvec(A: Any, layout: str, like: Any = None, what: str = "A") -> Callable[[Any], Any]:
@@ -514,7 +517,7 @@ def setup(A: Any, b: Any, x0: Any, M: Any, tol: Any, rtol: Any, atol: Any, maxit
     if layout is None:
         layout = A.layout if is_operator(A) else "replicated"
     if comm is None and is_operator(A):
-        comm = getattr(A, "comm", None)
+        comm = A.comm
     comm = resolve_comm(comm)
 
     def build() -> Problem:
@@ -586,18 +589,16 @@ def _merge(pair: tuple[Any, Any], like: Any) -> Any:
     return jax.tree_util.tree_map(lambda r, i, x: (r + 1j * i).astype(jnp.result_type(x)), *pair, like)
 
 
-class _RealPairs:
+def _real_pairs(op: Any, like: Any, layout: str | None) -> LinearOperator:
     """A real-linear map of complex vectors as a linear map of (Re, Im) pairs."""
-
-    def __init__(self, op: Any, like: Any, layout: str | None):
-        apply = op.matvec if hasattr(op, "matvec") else op
-        self.matvec = lambda pair: _split(apply(_merge(pair, like)))
-        self.layout = getattr(op, "layout", None) or layout or "replicated"
-        self.comm = getattr(op, "comm", None)
+    apply = op.matvec if is_operator(op) else as_matvec(op, layout or "replicated", like, "M")
+    return LinearOperator(lambda pair: _split(apply(_merge(pair, like))),
+                          layout=(op.layout if is_operator(op) else None) or layout or "replicated",
+                          comm=op.comm if is_operator(op) else None, name="RealPairs")
 
 
 def is_real_linear(A: Any) -> bool:
-    return bool(getattr(A, "real_linear", False))
+    return is_operator(A) and A.real_linear
 
 
 def solve_real_linear(solver: Callable[..., Any], A: Any, b: Any, x0: Any, M: Any, **options: Any) -> Any:
@@ -610,8 +611,8 @@ def solve_real_linear(solver: Callable[..., Any], A: Any, b: Any, x0: Any, M: An
     layout = options.get("layout")
     pair_b = _split(b)
     pair_x0 = None if x0 is None else _split(x0)
-    pair_M = None if M is None else _RealPairs(M, b, layout)
-    x, info = solver(_RealPairs(A, b, layout), pair_b, pair_x0, M=pair_M, **options)
+    pair_M = None if M is None else _real_pairs(M, b, layout)
+    x, info = solver(_real_pairs(A, b, layout), pair_b, pair_x0, M=pair_M, **options)
     return _merge(x, b), info
 
 

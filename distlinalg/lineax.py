@@ -1,0 +1,517 @@
+"""distlinalg inside lineax and optimistix: operators and Krylov solvers across ranks.
+
+``lineax.linear_solve(op, b, solver=distlinalg.lineax.CG(rtol=..., atol=...))``
+solves across ranks and returns lineax's ``Solution``, its ``result`` mapped
+from distlinalg's reason (:func:`result_of`). What maps to what:
+
+* :class:`DistributedOperator` wraps a distlinalg
+  :class:`~distlinalg.operators.LinearOperator` (any layout) as a lineax
+  operator: ``mv`` is the distributed matvec, ``transpose()`` distlinalg's
+  ``.T`` (the matrix transpose also for replicated operators whose matvec
+  communicates), tags from the operator's flags, ``as_matrix()`` the global
+  matrix (replicated layout only).
+* :class:`CG`, :class:`MINRES`, :class:`GMRES`, :class:`BiCGStab` run
+  ``distlinalg.cg`` … on any lineax operator (a :class:`DistributedOperator`
+  brings its layout; any other operator is taken in the solver's `layout`);
+  :class:`NormalCG` solves least-squares problems min ‖A x − b‖ whose rows
+  (residuals) are sharded and whose unknowns are replicated, the form of
+  optimistix's Gauss–Newton step over sharded data.
+* :class:`Ordered` runs any lineax solver (``lineax.CG``, ``lineax.GMRES``…)
+  on an operator whose matvec calls distlinalg collectives.
+* :func:`max_norm`, :func:`rms_norm`, :func:`two_norm`: optimistix norms over
+  every rank's entries of sharded vectors, so every rank stops together.
+
+Why the solvers run in a "detached token scope": lineax's ``linear_solve_p``
+declares no effects, so JAX lowers its body without distlinalg's ordering
+token (``KeyError: MPIEffect``). The distlinalg calls lineax's solve makes
+(distlinalg's solvers, a :class:`DistributedOperator`'s matvec) run in
+``distlinalg.comm._core.run_detached``: a region threaded by an MPI token
+of its own. See docs/lineax.md.
+
+Importing this module imports lineax and equinox (``pip install
+"distlinalg[lineax]"``); ``import distlinalg`` does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+
+from . import solvers as _solvers
+from ._mpi import resolve_comm
+from .comm._core import lowering_without_mpi_token, run_detached
+from .comm.allreduce import allreduce
+from .ad.grad import sum_tree_over_ranks
+from .operators._base import LinearOperator, aslinearoperator
+from .solvers import Reason
+
+__all__ = [
+    "DistributedOperator",
+    "operator",
+    "CG",
+    "MINRES",
+    "GMRES",
+    "BiCGStab",
+    "NormalCG",
+    "Ordered",
+    "result_of",
+    "max_norm",
+    "rms_norm",
+    "two_norm",
+]
+
+
+# ---------------------------------------------------------------------------
+# The operator
+def _symmetric(op: LinearOperator) -> bool:
+    """Symmetric in lineax's sense (Aᵀ = A, unconjugated)."""
+    complex_input = any(jnp.issubdtype(s.dtype, jnp.complexfloating)
+                        for s in jax.tree_util.tree_leaves(op.input_structure))
+    return op.symmetric or (op.hermitian and not op.real_linear and not complex_input)
+
+
+class DistributedOperator(lx.AbstractLinearOperator):
+    """A distlinalg operator as a lineax operator.
+
+    Args:
+      operator: a :class:`distlinalg.operators.LinearOperator` (or anything
+        :func:`~distlinalg.operators.aslinearoperator` accepts), in either
+        layout; vectors are this rank's pieces (whole vectors when
+        replicated, this rank's block when sharded).
+      tags: extra lineax tags, e.g. ``lineax.positive_semidefinite_tag``
+        (which ``lineax.CG`` requires). ``lineax.symmetric_tag`` is added
+        when the operator is symmetric (or real and Hermitian).
+
+    Pytree: an equinox module whose child is the distlinalg operator (a
+    pytree whose children are its arrays), so it crosses ``jit`` and
+    lineax's primitive like any lineax operator.
+
+    AD: lineax differentiates a solve through ``mv`` and ``transpose()``:
+    the matvec's collectives have exact transpose rules, and
+    ``transpose()`` is distlinalg's ``.T`` (the matrix transpose on every
+    rank, also in the replicated layout).
+
+    Example::
+
+        A = distlinalg.lineax.operator(distlinalg.operators.laplacian_2d(64),
+                                       lineax.positive_semidefinite_tag)
+        sol = lineax.linear_solve(A, my_block_of_b, solver=distlinalg.lineax.CG(rtol=1e-8, atol=0.0))
+    """
+
+    operator: LinearOperator
+    tags: frozenset = eqx.field(static=True)
+
+    def __init__(self, operator: Any, tags: Any = ()):
+        op = aslinearoperator(operator)
+        if op.input_structure is None:
+            raise ValueError("distlinalg.lineax: the operator needs input_structure (lineax asks for it)")
+        _check_no_hidden_tracers(op)
+        self.operator = op
+        tags = frozenset(tags) if isinstance(tags, (tuple, list, set, frozenset)) else frozenset([tags])
+        if _symmetric(op):
+            tags = tags | {lx.symmetric_tag}
+        self.tags = tags
+
+    @property
+    def layout(self) -> str:
+        return self.operator.layout
+
+    def mv(self, vector: Any) -> Any:
+        """A v; inside lineax's solve, in a detached token scope (module docstring)."""
+        if lowering_without_mpi_token():
+            return run_detached(_apply, self.operator, vector)
+        return self.operator.matvec(vector)
+
+    def as_matrix(self) -> jax.Array:
+        """The global matrix (replicated layout; identical on every rank)."""
+        op = self.operator
+        if op.layout != "replicated" or op.real_linear:
+            raise NotImplementedError(
+                "distlinalg.lineax: as_matrix needs a replicated, complex-linear operator (a sharded "
+                "operator has no matrix on one rank); use distlinalg.lineax.CG/MINRES/GMRES/BiCGStab")
+        if lowering_without_mpi_token():
+            return run_detached(_dense, op)
+        return _dense(op)
+
+    def transpose(self) -> "DistributedOperator":
+        """Aᵀ: distlinalg's ``.T`` (see :attr:`LinearOperator.T`)."""
+        if lx.symmetric_tag in self.tags:
+            return self
+        return DistributedOperator(self.operator.T, lx.transpose_tags(self.tags))
+
+    def in_structure(self) -> Any:
+        return self.operator.input_structure
+
+    def out_structure(self) -> Any:
+        return self.operator.output_structure
+
+
+def _check_no_hidden_tracers(op: LinearOperator) -> None:
+    """lineax moves operators through its primitive as pytrees: a traced value
+    the matvec closes over (instead of holding it as a child) would be used
+    outside its trace. Caught here, at trace time, on every rank alike."""
+    children, treedef = jax.tree_util.tree_flatten(op)
+    example = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), op.input_structure)
+    consts = jax.make_jaxpr(lambda c, v: jax.tree_util.tree_unflatten(treedef, c).matvec(v))(children, example).consts
+    if any(isinstance(c, jax.core.Tracer) for c in consts):
+        raise ValueError(
+            f"distlinalg.lineax: the matvec of {op.name} closes over a traced value; give the operator its "
+            "arrays as children (LinearOperator(matvec, data=...), matvec(data, v)) so that lineax can trace them")
+
+
+def operator(A: Any, *tags: Any) -> DistributedOperator:
+    """``DistributedOperator(A, tags)``: a distlinalg operator for lineax."""
+    return DistributedOperator(A, frozenset(tags))
+
+
+def _apply(op: LinearOperator, vector: Any) -> Any:
+    return op.matvec(vector)
+
+
+def _dense(op: LinearOperator) -> jax.Array:
+    return op.to_dense()
+
+
+def _conjugate(op: DistributedOperator) -> DistributedOperator:
+    from .operators._base import _conjugated_matvec
+
+    inner = op.operator
+    if not any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in jax.tree_util.tree_leaves(inner.input_structure)):
+        return op
+    conj = LinearOperator(_conjugated_matvec, data=inner, input_structure=inner.input_structure,
+                          output_structure=inner.output_structure, layout=inner.layout,
+                          symmetric=inner.symmetric, hermitian=inner.hermitian, real_linear=inner.real_linear,
+                          comm=inner.comm, name=f"conj({inner.name})")
+    return DistributedOperator(conj, op.tags)
+
+
+def _flat_diagonal(op: DistributedOperator) -> jax.Array:
+    return jax.flatten_util.ravel_pytree(op.operator.diagonal())[0]
+
+
+def _register() -> None:
+    """Answer lineax's per-type questions (singledispatch) for DistributedOperator."""
+    import jax.flatten_util  # noqa: F401  (used by _flat_diagonal)
+
+    lx.linearise.register(DistributedOperator)(lambda op: op)
+    lx.materialise.register(DistributedOperator)(lambda op: op)
+    lx.diagonal.register(DistributedOperator)(_flat_diagonal)
+    lx.conj.register(DistributedOperator)(_conjugate)
+    lx.is_symmetric.register(DistributedOperator)(lambda op: lx.symmetric_tag in op.tags)
+    lx.is_positive_semidefinite.register(DistributedOperator)(
+        lambda op: lx.positive_semidefinite_tag in op.tags)
+    lx.is_negative_semidefinite.register(DistributedOperator)(
+        lambda op: lx.negative_semidefinite_tag in op.tags)
+    for question in (lx.is_diagonal, lx.is_tridiagonal, lx.has_unit_diagonal, lx.is_lower_triangular,
+                     lx.is_upper_triangular):
+        question.register(DistributedOperator)(lambda op: False)
+
+    def no_tridiagonal(op: DistributedOperator) -> Any:
+        raise NotImplementedError("distlinalg.lineax: DistributedOperator has no tridiagonal form")
+
+    lx.tridiagonal.register(DistributedOperator)(no_tridiagonal)
+
+
+_register()
+
+
+def _as_distlinalg(op: Any, layout: str) -> LinearOperator:
+    """A distlinalg operator for a lineax one (a DistributedOperator's own, or
+    lineax's ``mv`` in `layout`)."""
+    if isinstance(op, DistributedOperator):
+        return op.operator
+    symmetric = bool(lx.is_symmetric(op))
+    return LinearOperator(op.mv, input_structure=op.in_structure(), output_structure=op.out_structure(),
+                          layout=layout, symmetric=symmetric, hermitian=symmetric)
+
+
+# ---------------------------------------------------------------------------
+# Results
+def result_of(reason: Any) -> lx.RESULTS:
+    """lineax's ``RESULTS`` for a distlinalg :class:`~distlinalg.solvers.Reason` code.
+
+    ``CONVERGED_*`` → ``successful``; ``DIVERGED_MAX_IT`` →
+    ``max_steps_reached``; ``DIVERGED_NANORINF`` and the indefinite-matrix
+    and indefinite-preconditioner reasons → ``singular`` (lineax turns it
+    into ``nonfinite_input`` when b is not finite); ``DIVERGED_BREAKDOWN``,
+    ``DIVERGED_INCONSISTENT_RANKS`` and anything else → ``breakdown``. The
+    exact reason is in ``solution.stats["reason"]``. Traceable.
+    """
+    reason = jnp.asarray(reason)
+    R = lx.RESULTS
+    singular = ((reason == Reason.DIVERGED_NANORINF) | (reason == Reason.DIVERGED_INDEFINITE_MAT)
+                | (reason == Reason.DIVERGED_INDEFINITE_PC))
+    out = R.where(reason == Reason.DIVERGED_MAX_IT, R.max_steps_reached, R.breakdown)
+    out = R.where(singular, R.singular, out)
+    return R.where(reason > 0, R.successful, out)
+
+
+# ---------------------------------------------------------------------------
+# Solvers
+class _KrylovSolver(lx.AbstractLinearSolver):
+    """What distlinalg's Krylov solvers share as lineax solvers.
+
+    ``options``: ``"y0"`` (initial guess), ``"preconditioner"`` (a lineax
+    operator or a callable applied as M ≈ A⁻¹).
+    """
+
+    rtol: float
+    atol: float
+    max_steps: int | None = None
+    layout: str = eqx.field(static=True, default="replicated")
+
+    def _solve(self, A: LinearOperator, b: Any, x0: Any, M: Any) -> Any:
+        raise NotImplementedError
+
+    def init(self, operator: Any, options: dict[str, Any]) -> Any:
+        if operator.in_structure() is None or jax.tree_util.tree_structure(operator.in_structure()) != \
+                jax.tree_util.tree_structure(operator.out_structure()):
+            raise ValueError(f"distlinalg.lineax.{type(self).__name__}: the operator must be square "
+                             "(use NormalCG for least squares)")
+        return operator
+
+    def compute(self, state: Any, vector: Any, options: dict[str, Any]) -> tuple[Any, lx.RESULTS, dict]:
+        x0 = options.get("y0")
+        precond = options.get("preconditioner")
+
+        def solve(operator: Any, vector: Any, x0: Any, precond: Any) -> Any:
+            A = _as_distlinalg(operator, self.layout)
+            M = None if precond is None else (precond.mv if isinstance(precond, lx.AbstractLinearOperator)
+                                              else precond)
+            x, info = self._solve(A, vector, x0, M)
+            return x, info.reason, info.iterations, info.residual_norm
+
+        # Inside linear_solve_p: no MPI token from JAX (module docstring).
+        x, reason, iterations, residual_norm = run_detached(solve, state, vector, x0, precond)
+        stats = {"num_steps": iterations, "residual_norm": residual_norm, "reason": reason}
+        if self.max_steps is not None:
+            stats["max_steps"] = self.max_steps
+        return x, result_of(reason), stats
+
+    def transpose(self, state: Any, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        # distlinalg's transpose: the matrix transpose on every rank, also
+        # for a replicated operator whose matvec communicates (lineax's own
+        # would be each rank's share of the adjoint there).
+        op = state if isinstance(state, DistributedOperator) else DistributedOperator(
+            _as_distlinalg(state, self.layout))
+        out = {k: v for k, v in options.items() if k != "y0"}
+        if "preconditioner" in out and isinstance(out["preconditioner"], lx.AbstractLinearOperator):
+            out["preconditioner"] = out["preconditioner"].transpose()
+        return op.transpose(), out
+
+    def conj(self, state: Any, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        out = {k: v for k, v in options.items() if k != "y0"}
+        if "preconditioner" in out and isinstance(out["preconditioner"], lx.AbstractLinearOperator):
+            out["preconditioner"] = lx.conj(out["preconditioner"])
+        return lx.conj(state), out
+
+    def assume_full_rank(self) -> bool:
+        return True
+
+
+class CG(_KrylovSolver):
+    """``distlinalg.cg`` as a lineax solver (Hermitian positive definite A).
+
+    Args:
+      rtol, atol: stop when ‖r‖ ≤ max(rtol ‖b‖, atol) (global norms).
+      max_steps: iteration limit (None: distlinalg's default).
+      layout: layout of a plain lineax operator ("replicated" or "sharded");
+        a :class:`DistributedOperator` brings its own.
+      method: ``"standard"`` or ``"single_reduction"``.
+
+    Shapes: b and the solution are this rank's pieces (layout). The
+    solution's ``stats`` hold ``num_steps``, ``residual_norm`` and
+    ``reason`` (distlinalg's code); ``result`` is :func:`result_of` it.
+    AD: lineax's rules (forward and reverse mode through ``linear_solve``,
+    with the transposed solve on distlinalg's transpose).
+
+    Example::
+
+        sol = lineax.linear_solve(distlinalg.lineax.operator(A), b,
+                                  solver=distlinalg.lineax.CG(rtol=1e-10, atol=0.0))
+    """
+
+    method: str = eqx.field(static=True, default="standard")
+
+    def _solve(self, A: LinearOperator, b: Any, x0: Any, M: Any) -> Any:
+        return _solvers.cg(A, b, x0, rtol=self.rtol, atol=self.atol, maxiter=self.max_steps, M=M,
+                           method=self.method)
+
+
+class MINRES(_KrylovSolver):
+    """``distlinalg.minres`` as a lineax solver (Hermitian, possibly
+    indefinite A; solves (A − shift I) x = b). Arguments as :class:`CG`."""
+
+    shift: float = 0.0
+
+    def _solve(self, A: LinearOperator, b: Any, x0: Any, M: Any) -> Any:
+        return _solvers.minres(A, b, x0, shift=self.shift, rtol=self.rtol, atol=self.atol,
+                               maxiter=self.max_steps, M=M)
+
+
+class GMRES(_KrylovSolver):
+    """``distlinalg.gmres`` as a lineax solver (general square A); `restart`
+    is the Krylov dimension per cycle. Arguments as :class:`CG`."""
+
+    restart: int = eqx.field(static=True, default=20)
+
+    def _solve(self, A: LinearOperator, b: Any, x0: Any, M: Any) -> Any:
+        import distlinalg
+
+        return distlinalg.gmres(A, b, x0, rtol=self.rtol, atol=self.atol, restart=self.restart,
+                                maxiter=self.max_steps, M=M)
+
+
+class BiCGStab(_KrylovSolver):
+    """``distlinalg.bicgstab`` as a lineax solver (general square A).
+    Arguments as :class:`CG`."""
+
+    def _solve(self, A: LinearOperator, b: Any, x0: Any, M: Any) -> Any:
+        import distlinalg
+
+        return distlinalg.bicgstab(A, b, x0, rtol=self.rtol, atol=self.atol, maxiter=self.max_steps, M=M)
+
+
+class NormalCG(lx.AbstractLinearSolver):
+    """Least squares min ‖A x − b‖₂ over every rank's rows, by CG on AᵀA x = Aᵀb.
+
+    For the Jacobian of residuals of sharded data (optimistix's
+    Gauss–Newton step): A maps unknowns in `input_layout` (default
+    replicated: parameters every rank holds) to residuals in
+    `output_layout` (default sharded: this rank's data). Aᵀ is the
+    distributed transpose: the whole-program adjoint of ``A.mv`` summed over
+    ranks for replicated unknowns (and divided by the number of ranks for
+    replicated residuals). AᵀA is then solved by ``distlinalg.cg`` in
+    `input_layout` (one allreduce per matvec with replicated unknowns).
+
+    Args:
+      rtol, atol: on the normal equations' residual ‖Aᵀ(b − A x)‖.
+      max_steps: iteration limit (None: distlinalg's default).
+      input_layout, output_layout: "replicated" or "sharded".
+
+    Not differentiable through lineax's least-squares rules (raises);
+    optimistix differentiates its fixed point, not the inner solves.
+
+    Example::
+
+        solver = optimistix.GaussNewton(rtol=1e-8, atol=1e-8, norm=distlinalg.lineax.max_norm,
+                                        linear_solver=distlinalg.lineax.NormalCG(rtol=1e-12, atol=1e-14))
+        fit = optimistix.least_squares(my_residuals, solver, theta0)
+    """
+
+    rtol: float
+    atol: float
+    max_steps: int | None = None
+    input_layout: str = eqx.field(static=True, default="replicated")
+    output_layout: str = eqx.field(static=True, default="sharded")
+
+    def init(self, operator: Any, options: dict[str, Any]) -> Any:
+        return operator
+
+    def compute(self, state: Any, vector: Any, options: dict[str, Any]) -> tuple[Any, lx.RESULTS, dict]:
+        def solve(operator: Any, vector: Any) -> Any:
+            transpose = _distributed_transpose(operator, self.input_layout, self.output_layout)
+            normal = LinearOperator(lambda v: transpose(operator.mv(v)), input_structure=operator.in_structure(),
+                                    layout=self.input_layout, symmetric=True, hermitian=True)
+            x, info = _solvers.cg(normal, transpose(vector), rtol=self.rtol, atol=self.atol,
+                                  maxiter=self.max_steps)
+            return x, info.reason, info.iterations, info.residual_norm
+
+        x, reason, iterations, residual_norm = run_detached(solve, state, vector)
+        stats = {"num_steps": iterations, "residual_norm": residual_norm, "reason": reason}
+        return x, result_of(reason), stats
+
+    def transpose(self, state: Any, options: dict[str, Any]) -> Any:
+        raise NotImplementedError("distlinalg.lineax.NormalCG: gradients through least-squares solves are "
+                                  "not supported")
+
+    def conj(self, state: Any, options: dict[str, Any]) -> Any:
+        return lx.conj(state), options
+
+    def assume_full_rank(self) -> bool:
+        return True
+
+
+def _distributed_transpose(op: Any, input_layout: str, output_layout: str) -> Callable[[Any], Any]:
+    """w ↦ Aᵀ w for a lineax operator with the given layouts (see NormalCG)."""
+    if isinstance(op, DistributedOperator):
+        return op.operator.transpose_matvec
+    transpose_of = jax.linear_transpose(op.mv, op.in_structure())
+    comm = resolve_comm(None)
+
+    def apply(w: Any) -> Any:
+        if output_layout == "replicated" and comm.size > 1:
+            w = jax.tree_util.tree_map(lambda x: x / comm.size, w)
+        (x,) = transpose_of(w)
+        if input_layout == "replicated" and comm.size > 1:
+            x = sum_tree_over_ranks(x, comm)
+        return x
+
+    return apply
+
+
+class Ordered(lx.AbstractLinearSolver):
+    """Any lineax solver, run in a detached MPI token scope: for lineax's own
+    solvers (``lineax.CG``, ``lineax.GMRES``, …) on an operator whose
+    matvec calls distlinalg collectives but is not a
+    :class:`DistributedOperator` (e.g. a ``lineax.FunctionLinearOperator``).
+
+    Without it such a solve fails to compile with ``KeyError: MPIEffect``
+    (lineax's primitive declares no effects, so JAX passes its body no MPI
+    token). With it, the solver's whole ``compute`` is one region whose
+    collectives are ordered by a token of its own (docs/lineax.md).
+    lineax's own solvers use local inner products: use them on replicated
+    operators only.
+
+    Example::
+
+        op = lineax.FunctionLinearOperator(lambda v: allreduce(A_r @ v), x_struct,
+                                           lineax.positive_semidefinite_tag)
+        sol = lineax.linear_solve(op, b, solver=distlinalg.lineax.Ordered(lineax.CG(1e-10, 1e-10)))
+    """
+
+    solver: lx.AbstractLinearSolver
+
+    def init(self, operator: Any, options: dict[str, Any]) -> Any:
+        return self.solver.init(operator, options)
+
+    def compute(self, state: Any, vector: Any, options: dict[str, Any]) -> Any:
+        return run_detached(lambda s, v, o: self.solver.compute(s, v, o), state, vector, options)
+
+    def transpose(self, state: Any, options: dict[str, Any]) -> Any:
+        return self.solver.transpose(state, options)
+
+    def conj(self, state: Any, options: dict[str, Any]) -> Any:
+        return self.solver.conj(state, options)
+
+    def assume_full_rank(self) -> bool:
+        return self.solver.assume_full_rank()
+
+
+# ---------------------------------------------------------------------------
+# optimistix norms over every rank's entries
+def max_norm(tree: Any) -> Any:
+    """max |x_i| over every rank's entries (replicated values count once:
+    the maximum is the same). For optimistix's ``norm=`` with sharded
+    residuals, so every rank takes the same termination decision."""
+    leaves = [jnp.max(jnp.abs(x), initial=0.0) for x in jax.tree_util.tree_leaves(tree)]
+    local = jnp.max(jnp.stack(leaves)) if leaves else jnp.zeros(())
+    return allreduce(local, "max")
+
+
+def two_norm(tree: Any) -> Any:
+    """‖x‖₂ over every rank's entries of a *sharded* vector (one allreduce)."""
+    leaves = [jnp.sum(jnp.abs(x) ** 2) for x in jax.tree_util.tree_leaves(tree)]
+    return jnp.sqrt(allreduce(sum(leaves[1:], leaves[0]) if leaves else jnp.zeros(()), "sum"))
+
+
+def rms_norm(tree: Any) -> Any:
+    """Root mean square over every rank's entries of a *sharded* vector."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    count = allreduce(jnp.asarray(float(sum(x.size for x in leaves))), "sum")
+    squares = sum(jnp.sum(jnp.abs(x) ** 2) for x in leaves) if leaves else jnp.zeros(())
+    return jnp.sqrt(allreduce(squares, "sum") / count)
