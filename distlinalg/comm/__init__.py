@@ -15,16 +15,19 @@ from .barrier import barrier, barrier_p
 from .bcast import bcast, bcast_p
 from .gather import gather, gather_p
 from .info import rank, size
-from .p2p import recv, recv_p, send, send_p, sendrecv, sendrecv_p
+from .p2p import (
+    ANY_SOURCE, ANY_TAG, Status, recv, recv_p, send, send_p, sendrecv, sendrecv_p, sendrecv_status_p,
+)
 from .reduce import reduce, reduce_p
 from .reduce_scatter import reduce_scatter, reduce_scatter_p
 from .scan import exscan, scan, scan_p
 from .scatter import scatter, scatter_p
 
 __all__ = [
-    "PROC_NULL", "Communicator", "ReduceOp", "configure", "rank", "size",
+    "PROC_NULL", "ANY_SOURCE", "ANY_TAG", "Status", "Communicator", "ReduceOp", "configure", "rank", "size",
     "allreduce", "reduce", "bcast", "gather", "scatter", "allgather", "reduce_scatter",
     "alltoall", "scan", "exscan", "send", "recv", "sendrecv", "barrier",
     "allreduce_p", "reduce_p", "bcast_p", "gather_p", "scatter_p", "allgather_p",
-    "reduce_scatter_p", "alltoall_p", "scan_p", "send_p", "recv_p", "sendrecv_p", "barrier_p",
+    "reduce_scatter_p", "alltoall_p", "scan_p", "send_p", "recv_p", "sendrecv_p",
+    "sendrecv_status_p", "barrier_p",
 ]

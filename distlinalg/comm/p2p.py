@@ -61,18 +61,24 @@ without the check it is handled exactly.
 
 Primal-only exchanges (no differentiation) are plain MPI calls: no flag, no
 copy. Derivative messages use flagged tags (user tags are 0..4095).
+
+Wildcards and statuses: ``recv``/``sendrecv`` accept ``MPI.ANY_SOURCE`` and
+``MPI.ANY_TAG`` and can return the receive's :class:`Status`; they go through
+``sendrecv_status_p``, whose derivative messages follow the route recorded in
+that status (see the section below).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
+from mpi4py import MPI
 
 from .._mpi import (
     ADJOINT_TAG_FLAG,
@@ -328,6 +334,281 @@ batching.primitive_batchers[recv_p] = _recv_batch
 
 
 # ---------------------------------------------------------------------------
+# Receives that report their status, and wildcards (MPI.ANY_SOURCE,
+# MPI.ANY_TAG).
+#
+# sendrecv_status_p(s, r, route) -> (y, status): one MPI_Sendrecv that also
+# returns int32[3] (source, tag, count) of its receive (count in elements of
+# r's dtype, -1 when it does not fit int32). A recv is the same with
+# dest=PROC_NULL and an empty s. `dynamic` (bit 1: source and recvtag, bit 2:
+# dest and sendtag) takes that half of the route from the int32[4] operand
+# `route` (source, recvtag, dest, sendtag) at run time instead of the static
+# parameters.
+#
+# Derivatives of a wildcard receive: the tangent must come from the rank (and
+# tag) that the primal message came from, and in reverse mode the cotangent
+# must go back to it. Neither is known at trace time, but both are known once
+# the primal message arrived: its status. So the derivative messages of a
+# status exchange use a dynamic route built from that status (tangent: from
+# status.source with tag status.tag | TANGENT_TAG_FLAG; cotangent: back to it
+# with ADJOINT_TAG_FLAG added). The sender side is the ordinary send/sendrecv
+# protocol above, unchanged. The one thing that cannot be done is
+# transposing a wildcard receive that never ran: jax.linear_transpose of a
+# program whose receive has a wildcard (no forward pass, so no status); that
+# raises at trace time.
+#
+# A receive with MPI.ANY_TAG can meet a derivative message meant for a later
+# receive of this rank (in reverse mode a rank already transposing sends its
+# cotangent to a rank still in its forward pass). MPI cannot exclude tags
+# from a wildcard, so the handler (csrc/p2p.cc, "early arrivals") takes such
+# a message out of MPI, keeps it, and hands it to the explicit receive of its
+# (comm, source, tag); a wildcard receive only ever returns user messages.
+ANY_SOURCE = MPI.ANY_SOURCE
+ANY_TAG = MPI.ANY_TAG
+_RECV_DYNAMIC, _SEND_DYNAMIC = 1, 2
+
+
+class Status(NamedTuple):
+    """What a receive got: int32 scalar arrays (traced under ``jit``).
+
+    Attributes:
+      source: the rank the message came from (``PROC_NULL`` for a receive
+        from ``PROC_NULL``).
+      tag: its tag (``MPI.ANY_TAG`` for a receive from ``PROC_NULL``).
+      count: the number of elements received, in the template's dtype (over
+        all leaves of a pytree); 0 from ``PROC_NULL``; -1 beyond 2**31 - 1.
+        A message may be shorter than the template, whose tail then keeps the
+        template's values.
+    """
+
+    source: Any
+    tag: Any
+    count: Any
+
+
+sendrecv_status_p = _core.new_primitive("sendrecv_status", multiple_results=True)
+_core.def_abstract_eval(
+    sendrecv_status_p,
+    lambda s, r, route, **_: [_core.shaped(r.shape, r.dtype), _core.shaped((3,), np.int32)],
+)
+_core.register_lowering(
+    sendrecv_status_p,
+    "distlinalg_sendrecv_status",
+    lambda *, comm, source, dest, sendtag, recvtag, dynamic: {
+        "comm": _core.comm_attr(comm),
+        "source": np.int32(source),
+        "dest": np.int32(dest),
+        "sendtag": np.int32(sendtag),
+        "recvtag": np.int32(recvtag),
+        "dynamic": np.int32(dynamic),
+    },
+)
+
+
+def _static_route() -> Any:
+    return jnp.zeros((4,), np.int32)
+
+
+def _route_from_status(status: Any, route: Any, dynamic: int, flag: int) -> tuple[Any, int]:
+    """Route of the derivative message of an exchange whose receive got `status`.
+
+    The receiving half comes from the status (the rank and tag that actually
+    sent), the sending half from the exchange's own route when it was
+    dynamic; `flag` is added to both tags.
+    """
+    recv_half = jnp.stack([status[0], status[1] | flag])
+    send_half = route[2:] | jnp.array([0, flag], np.int32)
+    return jnp.concatenate([recv_half, send_half]), _RECV_DYNAMIC | (dynamic & _SEND_DYNAMIC)
+
+
+def _status_jvp(primals, tangents, *, comm, source, dest, sendtag, recvtag, dynamic):
+    (s, r, route), (ts, tr, _) = primals, tangents
+    params = dict(comm=comm, source=source, dest=dest, sendtag=sendtag, recvtag=recvtag, dynamic=dynamic)
+    y, delivered, status = flagged_status_p.bind(s, r, route, depth=1, **params)
+    dy = _status_tangent_exchange(ts, tr, route, delivered[0], status, **params)
+    return (y, status), (dy, np.zeros((3,), jax.dtypes.float0))
+
+
+def _status_tangent_exchange(ts, tr, route, delivered, status, *, comm, source, dest, sendtag, recvtag, dynamic):
+    """`_tangent_exchange` of a status exchange: the tangent follows the primal's realised route."""
+    ts, tr = _core.instantiate(ts), _core.instantiate(tr)
+    tangent_route, tangent_dynamic = _route_from_status(status, route, dynamic, TANGENT_TAG_FLAG)
+    params = dict(comm=comm, dest=dest, sendtag=sendtag | TANGENT_TAG_FLAG)
+    if source == PROC_NULL and not dynamic & _RECV_DYNAMIC:
+        return sendrecv_status_p.bind(
+            ts, tr, tangent_route, source=PROC_NULL, recvtag=0, dynamic=dynamic & _SEND_DYNAMIC, **params
+        )[0]
+
+    def received(ts, tr, tangent_route):
+        return sendrecv_status_p.bind(
+            ts, tr, tangent_route, source=PROC_NULL, recvtag=0, dynamic=tangent_dynamic, **params
+        )[0]
+
+    def source_constant(ts, tr, tangent_route):
+        sendrecv_status_p.bind(
+            ts, tr, tangent_route, source=PROC_NULL, recvtag=0, dynamic=dynamic & _SEND_DYNAMIC, **params
+        )
+        return jnp.zeros(tr.shape, tr.dtype)
+
+    return jax.lax.cond(delivered, received, source_constant, ts, tr, tangent_route)
+
+
+def _status_transpose(cts, s, r, route, *, comm, source, dest, sendtag, recvtag, dynamic):
+    ct = _core.instantiate(cts[0])
+    if _core.is_undefined(route):
+        raise TypeError("distlinalg.sendrecv: the route of an exchange is not differentiable")
+    if (source == ANY_SOURCE or (recvtag == ANY_TAG and source != PROC_NULL)) and not dynamic & _RECV_DYNAMIC:
+        raise ValueError(
+            "distlinalg.recv/sendrecv: cannot transpose a receive from MPI.ANY_SOURCE or with "
+            "MPI.ANY_TAG that has not run: the reverse route (which rank and tag the cotangent goes "
+            "back to) must be known. Under jax.grad/vjp it is known from the forward pass; under "
+            "jax.linear_transpose pass an explicit source and tag."
+        )
+    send_aval = _aval(s)
+    buffer = jnp.zeros(send_aval.shape, send_aval.dtype)
+    if _aval(r).shape == send_aval.shape and _aval(r).dtype == send_aval.dtype and not _core.is_undefined(r):
+        buffer = r * 0  # as in _sendrecv_transpose: differentiable again (Hessians)
+    # Reversed route: receive from where this exchange sent, send to where it
+    # received from; halves taken from `route` stay dynamic.
+    back_route = jnp.concatenate([route[2:], route[:2]]) | jnp.array([0, ADJOINT_TAG_FLAG] * 2, np.int32)
+    back_dynamic = (_RECV_DYNAMIC if dynamic & _SEND_DYNAMIC else 0) | (_SEND_DYNAMIC if dynamic & _RECV_DYNAMIC else 0)
+    back, _ = sendrecv_status_p.bind(
+        ct, buffer, back_route, comm=comm, source=dest, dest=source,
+        # (recvtag is ANY_TAG only when source is PROC_NULL: nothing is sent back.)
+        sendtag=max(recvtag, 0) | ADJOINT_TAG_FLAG, recvtag=sendtag | ADJOINT_TAG_FLAG, dynamic=back_dynamic,
+    )
+    ct_s = back if _core.is_undefined(s) else None
+    ct_r = None
+    if _core.is_undefined(r):
+        ct_r = ct if source == PROC_NULL and not dynamic & _RECV_DYNAMIC else jnp.zeros_like(ct)
+    return ct_s, ct_r, None
+
+
+def _unbatched_route(route_dim) -> None:
+    if route_dim is not _core.not_mapped:
+        raise NotImplementedError(
+            "distlinalg.sendrecv: a route that differs between vmapped lanes (one message carries the "
+            "whole batch, so it has one route)"
+        )
+
+
+def _count_per_lane(status, size):
+    # One message carries the batch: the count of one lane is its share.
+    return status.at[2].set(jnp.where(status[2] >= 0, status[2] // size, status[2]))
+
+
+def _status_batch(args, dims, **params):
+    _unbatched_route(dims[2])
+    s, r = _batch_operands(args[:2], dims[:2])
+    y, status = sendrecv_status_p.bind(s, r, args[2], **params)
+    return [y, _count_per_lane(status, r.shape[0])], [0, _core.not_mapped]
+
+
+ad.primitive_jvps[sendrecv_status_p] = _status_jvp
+ad.primitive_transposes[sendrecv_status_p] = _status_transpose
+batching.primitive_batchers[sendrecv_status_p] = _status_batch
+
+# The flagged primal exchange of a differentiated status exchange (as
+# flagged_sendrecv_p, plus the status, whose count leaves out the flags).
+flagged_status_p = Primitive("distlinalg_sendrecv_status_flagged")
+flagged_status_p.multiple_results = True
+flagged_status_p.def_effectful_abstract_eval(
+    lambda s, r, route, *, depth, **_: (
+        [_core.shaped(r.shape, r.dtype), _core.shaped((depth,), np.bool_), _core.shaped((3,), np.int32)],
+        {_core.mpi_effect},
+    )
+)
+
+
+def _flagged_status_exchange(s, r, route, *, depth, **params):
+    flags = jnp.ones((depth,), s.dtype)
+    sent = flags if params["dest"] == PROC_NULL and not params["dynamic"] & _SEND_DYNAMIC \
+        else jnp.concatenate([jnp.ravel(s), flags])
+    if params["source"] == PROC_NULL and not params["dynamic"] & _RECV_DYNAMIC:
+        _, status = sendrecv_status_p.bind(sent, jnp.zeros((depth,), r.dtype), route, **params)
+        return [r, jnp.zeros((depth,), np.bool_), status]
+    n = math.prod(r.shape)
+    got, status = sendrecv_status_p.bind(
+        sent, jnp.concatenate([jnp.ravel(r), jnp.zeros((depth,), r.dtype)]), route, **params
+    )
+    delivered = got[n:] != 0
+    count = jnp.where(status[2] >= 0, status[2] - jnp.sum(delivered, dtype=np.int32), status[2])
+    return [got[:n].reshape(r.shape), delivered, status.at[2].set(count)]
+
+
+# lower_fun expands into sendrecv_status_p, which has the platform-specific
+# lowerings: one rule serves every platform.
+mlir.register_lowering(flagged_status_p, mlir.lower_fun(_flagged_status_exchange, multiple_results=True))
+flagged_status_p.def_impl(
+    lambda s, r, route, **params: _flagged_status_compiled(tuple(sorted(params.items())))(s, r, route)
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _flagged_status_compiled(params: tuple) -> Any:
+    return jax.jit(functools.partial(flagged_status_p.bind, **dict(params)))
+
+
+def _flagged_status_jvp(primals, tangents, *, depth, **params):
+    (s, r, route), (ts, tr, _) = primals, tangents
+    y, delivered, status = flagged_status_p.bind(s, r, route, depth=depth + 1, **params)
+    dy = _status_tangent_exchange(ts, tr, route, delivered[depth], status, **params)
+    zeros = np.zeros((depth,), jax.dtypes.float0), np.zeros((3,), jax.dtypes.float0)
+    return (y, delivered[:depth], status), (dy, *zeros)
+
+
+def _flagged_status_batch(args, dims, **params):
+    _unbatched_route(dims[2])
+    s, r = _batch_operands(args[:2], dims[:2])
+    y, delivered, status = flagged_status_p.bind(s, r, args[2], **params)
+    return [y, delivered, _count_per_lane(status, r.shape[0])], [0, _core.not_mapped, _core.not_mapped]
+
+
+ad.primitive_jvps[flagged_status_p] = _flagged_status_jvp
+batching.primitive_batchers[flagged_status_p] = _flagged_status_batch
+
+
+def _check_source(source, comm, opname):
+    if isinstance(source, (int, np.integer)) and not isinstance(source, (bool, np.bool_)) \
+            and int(source) == ANY_SOURCE:
+        return ANY_SOURCE
+    return check_rank(source, comm, "source", opname, allow_proc_null=True)
+
+
+def _check_recvtag(tag, what, opname):
+    if isinstance(tag, (int, np.integer)) and not isinstance(tag, (bool, np.bool_)) and int(tag) == ANY_TAG:
+        return ANY_TAG
+    return check_tag(tag, what, opname)
+
+
+def _status_exchanges(sends, templates, *, comm, source, dest, sendtag, recvtag):
+    """Leaf-wise exchanges that report a status; one (source, tag) for all leaves.
+
+    The first leaf's receive may use wildcards; the later leaves receive from
+    the rank and tag it matched (dynamic route), so a pytree never mixes
+    messages of two senders.
+    """
+    out, statuses = [], []
+    route, dynamic, src, rtag = _static_route(), 0, source, recvtag
+    for s, r in zip(sends, templates):
+        y, status = _core.bind(
+            sendrecv_status_p, s, r, route,
+            comm=comm, source=src, dest=dest, sendtag=sendtag, recvtag=rtag, dynamic=dynamic,
+        )
+        if not statuses and (source == ANY_SOURCE or recvtag == ANY_TAG):
+            route = jnp.concatenate([status[:2], jnp.zeros((2,), np.int32)])
+            dynamic, src, rtag = _RECV_DYNAMIC, PROC_NULL, 0
+        out.append(y)
+        statuses.append(status)
+    if not statuses:
+        zero = jnp.zeros((), np.int32)
+        return out, Status(zero + PROC_NULL, zero + ANY_TAG, zero)
+    counts = jnp.stack([st[2] for st in statuses])
+    count = jnp.where(jnp.all(counts >= 0), jnp.sum(counts), -1).astype(np.int32)
+    return out, Status(statuses[0][0], statuses[0][1], count)
+
+
+# ---------------------------------------------------------------------------
 def sendrecv(
     sendbuf: Any,
     recv_template: Any,
@@ -337,6 +618,7 @@ def sendrecv(
     sendtag: int = 0,
     recvtag: int = 0,
     comm: Any = None,
+    return_status: bool = False,
 ) -> Any:
     """Send `sendbuf` to `dest` and receive from `source` in one deadlock-free step.
 
@@ -345,29 +627,48 @@ def sendrecv(
       recv_template: array or pytree with the structure of sendbuf, giving the
         shape and dtype of what arrives (leaf by leaf); returned unchanged
         when source is ``PROC_NULL``. Its values are otherwise ignored.
-      source, dest: ranks (static ints) or ``PROC_NULL`` (``MPI.PROC_NULL``,
-        also ``distlinalg.comm.PROC_NULL``), e.g. the ends of a non-periodic
-        chain.
-      sendtag, recvtag: tags in [0, 4095].
+      source: a rank (static int), ``PROC_NULL`` (``MPI.PROC_NULL``, also
+        ``distlinalg.comm.PROC_NULL``, e.g. the ends of a non-periodic chain)
+        or ``ANY_SOURCE`` (``MPI.ANY_SOURCE``: the first matching message
+        from any rank).
+      dest: a rank or ``PROC_NULL``.
+      sendtag: in [0, 4095].
+      recvtag: in [0, 4095], or ``ANY_TAG`` (``MPI.ANY_TAG``).
       comm: mpi4py intracommunicator (default distlinalg's).
+      return_status: also return a :class:`Status` (source, tag, count as
+        int32 scalar arrays, traced under ``jit``).
 
     Returns:
-      What `source` sent (shaped like recv_template), or recv_template when
-      source is PROC_NULL.
+      What arrived (shaped like recv_template), or recv_template when source
+      is PROC_NULL; with ``return_status=True`` the pair ``(received, status)``.
+      A pytree arrives from one sender: with wildcards, its first leaf's
+      message decides the source and tag of the others.
 
     AD: forward and reverse mode, any order. Tangents travel the same route;
     the transpose sends cotangents back along the reversed route (source and
     dest, sendtag and recvtag swapped); the template's cotangent is the
     output's where source is PROC_NULL, zero otherwise. A rank whose buffers
     are constants while its partners differentiate is handled as described
-    in the module docstring. vmap: one message carries the batch (every rank
-    must batch the exchange the same way).
+    in the module docstring. With ``ANY_SOURCE``/``ANY_TAG`` the tangent is
+    received from the rank and tag that the primal message actually came
+    from, and the cotangent goes back to it (the route recorded in the
+    status); ``jax.linear_transpose`` of a wildcard receive, which has no
+    forward pass to record it, raises. vmap: one message carries the batch
+    (every rank must batch the exchange the same way); the status is
+    unbatched and counts the elements of one lane.
+
+    Example::
+
+        right, left = (rank + 1) % size, (rank - 1) % size
+        halo = sendrecv(x[-1], x[0], source=left, dest=right)       # periodic shift
+        y, st = sendrecv(x, x, source=MPI.ANY_SOURCE, dest=right, return_status=True)
+        # st.source == left
     """
     comm = resolve_comm(comm)
-    source = check_rank(source, comm, "source", "sendrecv", allow_proc_null=True)
+    source = _check_source(source, comm, "sendrecv")
     dest = check_rank(dest, comm, "dest", "sendrecv", allow_proc_null=True)
     sendtag = check_tag(sendtag, "sendtag", "sendrecv")
-    recvtag = check_tag(recvtag, "recvtag", "sendrecv")
+    recvtag = _check_recvtag(recvtag, "recvtag", "sendrecv")
     send_tree = jax.tree_util.tree_structure(sendbuf)
     recv_tree = jax.tree_util.tree_structure(recv_template)
     if send_tree != recv_tree:
@@ -380,6 +681,12 @@ def sendrecv(
     templates = [_core.as_array(leaf) for leaf in jax.tree_util.tree_leaves(recv_template)]
     for leaf in (*sends, *templates):  # every check before the first message
         check_dtype(leaf.dtype, "sendrecv")
+    if return_status or source == ANY_SOURCE or recvtag == ANY_TAG:
+        out, status = _status_exchanges(
+            sends, templates, comm=comm, source=source, dest=dest, sendtag=sendtag, recvtag=recvtag
+        )
+        received = jax.tree_util.tree_unflatten(recv_tree, out)
+        return (received, status) if return_status else received
     out = [
         _core.bind(sendrecv_p, s, r, comm=comm, source=source, dest=dest, sendtag=sendtag, recvtag=recvtag)
         for s, r in zip(sends, templates)
@@ -419,19 +726,27 @@ def send(x: Any, dest: int, *, tag: int = 0, comm: Any = None) -> None:
         _core.bind(send_p, leaf, comm=comm, dest=dest, tag=tag)
 
 
-def recv(template: Any, source: int, *, tag: int = 0, comm: Any = None) -> Any:
+def recv(
+    template: Any, source: int, *, tag: int = 0, comm: Any = None, return_status: bool = False
+) -> Any:
     """Receive from rank `source` an array (or pytree) shaped like `template`.
 
     Args:
       template: array or pytree giving shape and dtype (one message per
         leaf, in the sender's leaf order); returned unchanged when source is
         ``PROC_NULL``, otherwise its values are ignored.
-      source: a rank (static int) or ``PROC_NULL``.
-      tag: in [0, 4095], the sender's tag.
+      source: a rank (static int), ``PROC_NULL`` or ``ANY_SOURCE``
+        (``MPI.ANY_SOURCE``: the first matching message from any rank).
+      tag: in [0, 4095], the sender's tag, or ``ANY_TAG`` (``MPI.ANY_TAG``).
       comm: mpi4py intracommunicator (default distlinalg's).
+      return_status: also return a :class:`Status` (source, tag, count as
+        int32 scalar arrays, traced under ``jit``).
 
     Returns:
-      What `source` sent, shaped like template.
+      What arrived, shaped like template; with ``return_status=True`` the
+      pair ``(received, status)``. A pytree arrives from one sender: with
+      wildcards, its first leaf's message decides the source and tag of the
+      others.
 
     AD: the recv is differentiated when its template carries a tangent. When
     the matching send's value depends on the differentiated inputs, pass a
@@ -441,14 +756,36 @@ def recv(template: Any, source: int, *, tag: int = 0, comm: Any = None) -> Any:
     template this receive fails with "Message truncated" instead of
     returning a wrong derivative. A differentiated recv whose sender does not
     differentiate gets a zero tangent (exact). From PROC_NULL the result is
-    the template, with the template's tangent and cotangent.
+    the template, with the template's tangent and cotangent. With
+    ``ANY_SOURCE``/``ANY_TAG`` the tangent comes from the rank and tag the
+    primal message came from and the cotangent goes back there (the route
+    recorded in the status); ``jax.linear_transpose`` of a wildcard receive
+    (no forward pass) raises. vmap: one message carries the batch; the
+    status counts the elements of one lane.
+
+    Example::
+
+        if rank == 0:
+            for _ in range(size - 1):   # in arrival order
+                x, st = recv(jnp.zeros(3), MPI.ANY_SOURCE, tag=MPI.ANY_TAG, return_status=True)
+                # st.source, st.tag: who sent it, with which tag; st.count == 3
+        else:
+            send(jnp.ones(3) * rank, 0, tag=rank)
     """
     comm = resolve_comm(comm)
-    source = check_rank(source, comm, "source", "recv", allow_proc_null=True)
-    tag = check_tag(tag, "tag", "recv")
+    source = _check_source(source, comm, "recv")
+    tag = _check_recvtag(tag, "tag", "recv")
     leaves, tree = jax.tree_util.tree_flatten(template)
     leaves = [_core.as_array(leaf) for leaf in leaves]
     for leaf in leaves:
         check_dtype(leaf.dtype, "recv")
+    if return_status or source == ANY_SOURCE or tag == ANY_TAG:
+        # A receive with a status is an exchange that sends nothing.
+        out, status = _status_exchanges(
+            [jnp.zeros((0,), leaf.dtype) for leaf in leaves], leaves,
+            comm=comm, source=source, dest=PROC_NULL, sendtag=0, recvtag=tag,
+        )
+        received = jax.tree_util.tree_unflatten(tree, out)
+        return (received, status) if return_status else received
     out = [_core.bind(recv_p, leaf, comm=comm, source=source, tag=tag) for leaf in leaves]
     return jax.tree_util.tree_unflatten(tree, out)
