@@ -24,10 +24,19 @@ Modes, with NetKet's names and meanings (``netket.jax.jacobian``):
 two modes, so for real parameters S = Re(OᴴO)/N in "complex" mode whatever
 the output. The default mode is NetKet's choice: "complex" for a complex
 output, else "real".
+
+The model is a pytree (children: params and this rank's samples; static:
+f, the mode, every rank's sample count, the structures), and so are the
+operators built on it (:class:`LinearisedOperator`): their linearisation is
+derived from the children once per trace (:class:`TraceLocal`), never
+stored as static data, and rebuilding them from their children computes
+and communicates nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,10 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+
+from .. import _compat
 from .._mpi import Communicator
 from ..comm import _core
 from ..comm.allreduce import allreduce
-from ._base import sum_over_ranks
+from ._base import LinearOperator, sum_over_ranks
 from ._partition import exchange_sizes
 
 MODES = ("real", "complex", "holomorphic")
@@ -131,8 +142,153 @@ def pad_samples(samples: Any, total: int) -> Any:
     return tree_map(pad, samples)
 
 
+# -- values derived from pytree children, kept per trace ------------------------------
+class TraceLocal:
+    """Values computed from an object's pytree children (a linearisation, a
+    mean row), each kept with the trace it was computed in.
+
+    Why per trace: an operator passed to a jitted function is rebuilt from
+    traced children, and its linearisation must be computed in that trace,
+    not stored as static data. Once computed, the traces nested in that one
+    (the loops of a Krylov solver, lax.custom_linear_solve's matvec and
+    solve) use it as a closed-over constant, so the model is evaluated once
+    per program rather than once per iteration. A value computed eagerly is
+    concrete and valid everywhere; one computed in a trace that is not an
+    enclosing trace of the current one (an earlier jit, a sibling branch) is
+    computed again. The value is a function of the children only, and the
+    children of an object never change (tree_map and unflatten make new
+    objects, with empty caches), so every copy is the same value.
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self) -> None:
+        self._values: dict[str, tuple[Any, Any]] = {}
+
+    def get(self, name: str, compute: Callable[[], Any]) -> Any:
+        held = self._values.get(name)
+        if held is not None:
+            trace_ref, value = held
+            if trace_ref is None or _compat.trace_reaches(trace_ref()):
+                return value
+        trace = _compat.current_trace()
+        value = compute()
+        self._values[name] = (None if _compat.is_eager_trace(trace) else weakref.ref(trace), value)
+        return value
+
+
+def tracing() -> bool:
+    """Whether JAX is tracing (jit, grad, vmap, a loop body…) rather than running eagerly."""
+    return not _compat.is_eager_trace(_compat.current_trace())
+
+
+class LinearisedOperator(LinearOperator):
+    """A LinearOperator whose matvec uses a linearisation of its children.
+
+    The children are the whole of ``data`` (``matvec(data, v)``); the aux data
+    is what :meth:`_static` returns (None by default), which must compare by
+    value, and unflattening is :meth:`_rebuild`, which must neither compute
+    on the children nor communicate. Subclasses say in :meth:`prepare` what
+    to derive from the children (kept per trace, see :class:`TraceLocal`).
+    """
+
+    def prepare(self) -> None:
+        """Compute what the matvec derives from the children in the current
+        trace, unless done there or in an enclosing trace."""
+
+    @property
+    def matvec(self) -> Callable[[Any], Any]:
+        """v ↦ A v (a function). Reading it inside a trace prepares the
+        linearisation there first: a solver reads ``A.matvec`` before its
+        loops, so the loops (and the solves of the derivatives, which reuse
+        the matvec's program) close over one linearisation instead of
+        redoing it in each iteration. Eagerly nothing is computed until the
+        first product (which may communicate: every rank applies the
+        operator together)."""
+        if tracing():
+            self.prepare()
+        return self._apply
+
+    def _apply(self, v: Any) -> Any:
+        return self._matvec(self._data, v)
+
+    def _static(self) -> Any:
+        return None
+
+    @classmethod
+    def _rebuild(cls, static: Any, data: Any) -> "LinearisedOperator":
+        return cls(*data)
+
+    def _tree_flatten(self) -> tuple[tuple[Any, ...], Any]:
+        return (self._data,), self._static()
+
+    @classmethod
+    def _tree_unflatten(cls, static: Any, children: tuple[Any, ...]) -> "LinearisedOperator":
+        return cls._rebuild(static, children[0])
+
+
+def hash_of(value: Any) -> int:
+    """hash(value), or its id for an unhashable user function (a callable
+    object without __hash__): its specs then compare equal only to
+    themselves' copies and jit recompiles for another instance, instead of
+    failing to hash the tree definition."""
+    try:
+        return hash(value)
+    except TypeError:
+        return id(value)
+
+
+def _structure_of(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]:
+    """A hashable, value-comparable description of a pytree of arrays."""
+    flat, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(jnp.shape(x)), jnp.dtype(jnp.result_type(x))) for x in flat)
+
+
+def _shape_structs(structure: tuple[Any, tuple]) -> Any:
+    treedef, leaves_ = structure
+    return jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in leaves_])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The static part of a :class:`LinearisedModel` (its pytree aux data).
+
+    Everything here is decided once, at construction (the sample counts by
+    one exchange between ranks), and compares by value: two models of the
+    same f (the same object), shapes, counts and options have equal specs,
+    so jit reuses one compilation for both.
+    """
+
+    f: Callable[..., Any]
+    mode: str
+    center: bool
+    chunk: int | None
+    n_chunks: int
+    comm: Communicator
+    sharded_params: bool
+    communicates: bool
+    n_local: int
+    counts: tuple[int, ...]
+    split: bool
+    channels: int
+    dtype: Any
+    params: tuple[Any, tuple]  # _structure_of(params)
+    samples: tuple[Any, tuple]  # _structure_of(samples)
+
+    def __hash__(self) -> int:
+        return hash(tuple(hash_of(getattr(self, field.name)) for field in dataclasses.fields(self)))
+
+
 class LinearisedModel:
     """f linearised at params on this rank's samples, in the space of `mode`.
+
+    A pytree: the children are ``(params, samples)`` (as given: params
+    replicated or this rank's block, samples this rank's); the aux data is a
+    :class:`ModelSpec` (f, mode, counts of every rank, structures, options).
+    The linearisation (and the mean row) are computed from the children on
+    first use in a trace and kept for that trace and the traces nested in it
+    (:class:`TraceLocal`); a model built by the constructor is linearised
+    there, once. Unflattening computes nothing and never communicates.
 
     Attributes:
       mode: "real", "complex" or "holomorphic".
@@ -148,35 +304,112 @@ class LinearisedModel:
     def __init__(self, f: Callable[..., Any], params: Any, samples: Any, *, mode: str | None, center: bool,
                  chunk_size: int | None, comm: Communicator, sharded_params: bool, where: str):
         mode, n_local, communicates, complex_output = check_model(f, params, samples, mode, where)
-        self.mode, self.n_local, self.communicates = mode, n_local, communicates
-        self.comm, self.sharded_params, self.center = comm, sharded_params, center
-        self.counts = exchange_sizes(n_local, comm)
-        self.n_total = int(self.counts.sum())
-        if self.n_total == 0:
+        counts = exchange_sizes(n_local, comm)
+        if int(counts.sum()) == 0:
             raise ValueError(f"{where}: no samples on any rank")
-        self.split = mode != "holomorphic" and _is_complex(params)
-        self.theta = split_complex(params) if self.split else params
-        self.channels = 2 if mode == "complex" else 1
-        self._f = f
-        self.samples = samples
-        self.dtype = jax.eval_shape(self.outputs, self.theta, samples).dtype
-        self._chunk = None
+        chunk, n_chunks = None, 1
         if chunk_size is not None:
             if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or int(chunk_size) < 1:
                 raise ValueError(f"{where}: chunk_size must be a positive int, got {chunk_size!r}")
-            self._chunk = int(chunk_size)
+            chunk = int(chunk_size)
             # A communicating model makes collective calls: every rank runs
             # the same number of equally sized chunks.
-            longest = int(self.counts.max()) if communicates else n_local
-            self._n_chunks = max(1, -(-longest // self._chunk))
-            padded = self._chunk * self._n_chunks
-            self._batches = tree_map(lambda x: x.reshape(self._n_chunks, self._chunk, *x.shape[1:]),
-                                     pad_samples(samples, padded))
-            self._masks = (jnp.arange(padded) < n_local).reshape(self._n_chunks, self._chunk)
+            longest = int(counts.max()) if communicates else n_local
+            n_chunks = max(1, -(-longest // chunk))
+        spec = ModelSpec(f=f, mode=mode, center=bool(center), chunk=chunk, n_chunks=n_chunks, comm=comm,
+                         sharded_params=bool(sharded_params), communicates=communicates, n_local=n_local,
+                         counts=tuple(int(c) for c in counts), split=mode != "holomorphic" and _is_complex(params),
+                         channels=2 if mode == "complex" else 1, dtype=None,
+                         params=_structure_of(params), samples=_structure_of(samples))
+        self._assemble(spec, params, samples)
+        dtype = jax.eval_shape(self.outputs, self.theta, samples).dtype
+        self._assemble(dataclasses.replace(spec, dtype=jnp.dtype(dtype)), params, samples)
+        # Linearised here, once: in the trace this is built in (or eagerly),
+        # which every use of the model nested in it then shares.
+        self.prepare()
+
+    def _assemble(self, spec: ModelSpec, params: Any, samples: Any) -> None:
+        self._spec = spec
+        self.params, self.samples = params, samples
+        self.mode, self.center, self.comm = spec.mode, spec.center, spec.comm
+        self.sharded_params, self.communicates = spec.sharded_params, spec.communicates
+        self.n_local, self.split, self.channels, self.dtype = spec.n_local, spec.split, spec.channels, spec.dtype
+        self.counts = np.asarray(spec.counts, np.int64)
+        self.n_total = int(self.counts.sum())
+        self._f, self._chunk, self._n_chunks = spec.f, spec.chunk, spec.n_chunks
+        self._derived = TraceLocal()
+
+    # -- pytree -----------------------------------------------------------------------
+    def _tree_flatten(self) -> tuple[tuple[Any, Any], ModelSpec]:
+        return (self.params, self.samples), self._spec
+
+    @classmethod
+    def _tree_unflatten(cls, spec: ModelSpec, children: tuple[Any, Any]) -> "LinearisedModel":
+        # No validation, no computation, no communication: jax unflattens
+        # with tracers, cotangents and placeholder leaves alike.
+        model = object.__new__(cls)
+        model._assemble(spec, *children)
+        return model
+
+    @property
+    def params_structure(self) -> Any:
+        """The params' structure, a pytree of ``jax.ShapeDtypeStruct`` (static)."""
+        return _shape_structs(self._spec.params)
+
+    @property
+    def theta(self) -> Any:
+        return split_complex(self.params) if self.split else self.params
+
+    # -- what is derived from the children (per trace) ---------------------------------
+    def cached(self, name: str, compute: Callable[[], Any]) -> Any:
+        """`compute()` (a function of the children), once per trace (see :class:`TraceLocal`)."""
+        return self._derived.get(name, compute)
+
+    def prepare(self) -> None:
+        """Linearise (and take the mean row) in the current trace, unless already done
+        in it or in an enclosing one. Communicates (the mean row) when centring."""
+        if self._chunk is None:
+            self._linear()
         else:
-            self._jvp, self._transpose = self._linearise(samples)
-        self.mean_row = self._mean_row() if center else tree_map(
-            lambda a: jnp.zeros((self.channels, *a.shape), a.dtype), self.theta)
+            self._chunks()
+        if self.center:
+            _ = self.mean_row
+
+    def _linear(self) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+        return self.cached("linear", lambda: self._linearise(self.samples))
+
+    def _chunks(self) -> tuple[Any, jax.Array]:
+        def split_into_chunks() -> tuple[Any, jax.Array]:
+            padded = self._chunk * self._n_chunks
+            batches = tree_map(lambda x: x.reshape(self._n_chunks, self._chunk, *x.shape[1:]),
+                               pad_samples(self.samples, padded))
+            masks = (jnp.arange(padded) < self.n_local).reshape(self._n_chunks, self._chunk)
+            return batches, masks
+
+        return self.cached("chunks", split_into_chunks)
+
+    @property
+    def _jvp(self) -> Callable[[Any], Any]:
+        return self._linear()[0]
+
+    @property
+    def _transpose(self) -> Callable[[Any], Any]:
+        return self._linear()[1]
+
+    @property
+    def _batches(self) -> Any:
+        return self._chunks()[0]
+
+    @property
+    def _masks(self) -> jax.Array:
+        return self._chunks()[1]
+
+    @property
+    def mean_row(self) -> Any:
+        """μ = 1ᵀ O / N (k rows shaped like θ̃), zeros when not centring."""
+        if not self.center:
+            return tree_map(lambda a: jnp.zeros((self.channels, *a.shape), a.dtype), self.theta)
+        return self.cached("mean_row", self._mean_row)
 
     # -- the model in the space of the mode ----------------------------------------
     def outputs(self, theta: Any, samples: Any) -> jax.Array:
@@ -358,6 +591,9 @@ class LinearisedModel:
                 mean_c = tree_map(lambda m: m[c], self.mean_row)
                 total = tree_map(lambda acc, r, m: acc + jnp.sum(jnp.abs(r - m[None]) ** 2, axis=0), total, rows, mean_c)
         return total
+
+
+jax.tree_util.register_pytree_node(LinearisedModel, LinearisedModel._tree_flatten, LinearisedModel._tree_unflatten)
 
 
 def flat_size(tree: Any) -> int:

@@ -21,16 +21,11 @@ from typing import Any
 import numpy as np
 
 from .._mpi import resolve_comm
-from ._base import LinearOperator
-from ._jacobian import LinearisedModel, MODES, tree_map
+from ._jacobian import MODES, LinearisedModel, LinearisedOperator, tree_map
 
 __all__ = ["gram", "gram_operator", "GramOperator", "MODES"]
 
 _NAME = "distlinalg.operators.gram"
-
-
-class GramOperator(LinearOperator):
-    """S = ŌᴴŌ/N + diag_shift·I + diag_scale·diag(ŌᴴŌ/N); see :func:`gram`."""
 
 
 # -- the math, one small function per term -------------------------------------------
@@ -100,7 +95,7 @@ def gram(
         a ValueError on every rank.
 
     Returns:
-      A LinearOperator on pytrees shaped like params ("replicated" or
+      A :class:`GramOperator` on pytrees shaped like params ("replicated" or
       "sharded" layout), Hermitian (real symmetric except in "holomorphic"
       mode; real-linear when complex params are split into pairs), with
       ``diagonal()`` (of S + shifts; for split complex params the real and
@@ -108,8 +103,15 @@ def gram(
       One allreduce of a parameter-sized vector per matvec (replicated).
 
     AD: the matvec is differentiable with respect to params, samples and the
-    shifts (build the operator inside the traced function), so ``jax.grad``
-    through ``distlinalg.cg(gram(...), F)`` gives exact meta-gradients.
+    shifts, so ``jax.grad`` through ``distlinalg.cg(gram(...), F)`` gives
+    exact meta-gradients, whether the operator is built inside the
+    differentiated function or passed to it (it is a pytree whose leaves are
+    params, samples, diag_shift and diag_scale: the gradient with respect to
+    it is a :class:`GramOperator` of cotangents).
+
+    Pytree and jit: see :class:`GramOperator`. The counts of every rank's
+    samples are exchanged here, once, and kept static: an operator passed to
+    a jitted function is rebuilt without communicating.
 
     Example::
 
@@ -124,27 +126,110 @@ def gram(
     return gram_operator(model, diag_shift, diag_scale)
 
 
-def gram_operator(model: LinearisedModel, diag_shift: Any, diag_scale: Any = None) -> GramOperator:
-    """S + λ I (+ ε diag S) of an already linearised model (see :func:`gram`)."""
-    scale_diagonal = gram_diagonal(model) if diag_scale is not None else None
+def gram_operator(model: LinearisedModel, diag_shift: Any, diag_scale: Any = None) -> "GramOperator":
+    """S + λ I (+ ε diag S) of an already linearised model (see :func:`gram`).
 
-    def matvec(v: Any) -> Any:
-        u = model.to_space(v)
-        return model.from_space(shifted(gram_product(model, u), u, diag_shift, diag_scale, scale_diagonal))
+    With `diag_scale` the diagonal is computed here, once (collective).
+    """
+    op = GramOperator(model, diag_shift, diag_scale)
+    op.prepare()
+    return op
 
-    def diagonal() -> Any:
-        d = scale_diagonal if scale_diagonal is not None else gram_diagonal(model)
-        factor = 1 + (0 if diag_scale is None else diag_scale)
-        return model.from_space(tree_map(lambda x: factor * x + diag_shift, d))
 
-    return GramOperator(
-        matvec,
-        input_structure=model.from_space(model.theta),
-        layout="sharded" if model.sharded_params else "replicated",
-        symmetric=model.mode != "holomorphic",
-        hermitian=True,
-        real_linear=model.split,
-        diagonal=diagonal,
-        comm=model.comm,
-        name="GramOperator",
-    )
+class GramOperator(LinearisedOperator):
+    """S = ŌᴴŌ/N + diag_shift·I + diag_scale·diag(ŌᴴŌ/N); see :func:`gram`.
+
+    Args:
+      model: the :class:`~distlinalg.operators._jacobian.LinearisedModel`
+        (f, params, this rank's samples, mode, counts).
+      diag_shift: λ, a scalar (Python number or 0-d array, may be traced).
+      diag_scale: ε or None (no diagonal term).
+
+    Pytree: the children are ``(model, diag_shift, diag_scale)``, i.e. the
+    leaves are params, samples, λ (and ε); the mode, f, every rank's sample
+    count, the chunking and the structures are static and compare by value.
+    So an operator built outside ``jax.jit`` can be an argument of a jitted
+    function (the matvec, ``distlinalg.cg``, ``to_dense`` inside it), one
+    with new params, samples or shifts of the same shapes and the same f
+    reuses the compilation, and ``jax.grad`` with respect to the operator
+    gives an operator of cotangents (``.params``, ``.samples``,
+    ``.diag_shift``). Unflattening computes and communicates nothing; the
+    model is linearised from the children at first use in a trace and
+    shared by the traces nested in it (one linearisation per program, not
+    per solver iteration).
+
+    Example::
+
+        S = gram(log_psi, params, samples, diag_shift=1e-3)
+
+        @jax.jit
+        def update(S, force):
+            return distlinalg.cg(S, force)[0]
+
+        delta = update(S, force)
+        delta = update(gram(log_psi, new_params, new_samples, diag_shift=1e-3), force)  # no recompilation
+    """
+
+    def __init__(self, model: LinearisedModel, diag_shift: Any, diag_scale: Any = None):
+        # Everything here comes from the model's static spec: nothing is
+        # computed from the children (the constructor is also the unflatten).
+        super().__init__(
+            _gram_matvec,
+            data=(model, diag_shift, diag_scale),
+            input_structure=model.params_structure,
+            layout="sharded" if model.sharded_params else "replicated",
+            symmetric=model.mode != "holomorphic",
+            hermitian=True,
+            real_linear=model.split,
+            diagonal=_gram_diagonal,
+            comm=model.comm,
+            name="GramOperator",
+        )
+
+    @property
+    def model(self) -> LinearisedModel:
+        return self._data[0]
+
+    @property
+    def params(self) -> Any:
+        """The parameters the model is linearised at (or their cotangent)."""
+        return self.model.params
+
+    @property
+    def samples(self) -> Any:
+        """This rank's samples (or their cotangent)."""
+        return self.model.samples
+
+    @property
+    def diag_shift(self) -> Any:
+        return self._data[1]
+
+    @property
+    def diag_scale(self) -> Any:
+        return self._data[2]
+
+    def prepare(self) -> None:
+        """Linearise the model (and compute the scaled diagonal) in the current
+        trace, unless done in it or an enclosing one."""
+        model, _, diag_scale = self._data
+        model.prepare()
+        if diag_scale is not None:
+            _row_squares(model)
+
+
+def _row_squares(model: LinearisedModel) -> Any:
+    """diag(ŌᴴŌ)/N, once per trace (a per-sample Jacobian pass and one allreduce)."""
+    return model.cached("gram_diagonal", lambda: gram_diagonal(model))
+
+
+def _gram_matvec(data: tuple, v: Any) -> Any:
+    model, diag_shift, diag_scale = data
+    u = model.to_space(v)
+    scale_diagonal = _row_squares(model) if diag_scale is not None else None
+    return model.from_space(shifted(gram_product(model, u), u, diag_shift, diag_scale, scale_diagonal))
+
+
+def _gram_diagonal(data: tuple) -> Any:
+    model, diag_shift, diag_scale = data
+    factor = 1 + (0 if diag_scale is None else diag_scale)
+    return model.from_space(tree_map(lambda x: factor * x + diag_shift, _row_squares(model)))

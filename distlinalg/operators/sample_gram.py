@@ -26,8 +26,8 @@ import jax.numpy as jnp
 
 from .._mpi import resolve_comm
 from ..comm.p2p import sendrecv
-from ._base import LinearOperator, gather_rows
-from ._jacobian import LinearisedModel
+from ._base import gather_rows
+from ._jacobian import LinearisedModel, LinearisedOperator
 
 __all__ = ["sample_gram", "sample_gram_operator", "SampleGramOperator", "sample_structure"]
 
@@ -91,13 +91,67 @@ def sample_structure(model: LinearisedModel) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((model.n_local,), model.dtype)
 
 
-class SampleGramOperator(LinearOperator):
-    """T = Ō Ōᴴ / N + λ I on this rank's samples; see :func:`sample_gram`."""
+class SampleGramOperator(LinearisedOperator):
+    """T = Ō Ōᴴ / N + λ I on this rank's samples; see :func:`sample_gram`.
 
-    def __init__(self, model: LinearisedModel, diag_shift: Any, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.model = model
-        self.diag_shift = diag_shift
+    Args:
+      model: the :class:`~distlinalg.operators._jacobian.LinearisedModel`.
+      diag_shift: λ, a scalar (Python number or 0-d array, may be traced).
+
+    Pytree: the children are ``(model, diag_shift)``, i.e. the leaves are
+    params, this rank's samples and λ; f, the mode, every rank's sample
+    count and the structures are static and compare by value. An operator
+    built outside ``jax.jit`` can be an argument of a jitted function (one
+    with new params or samples of the same shapes and the same f reuses the
+    compilation), and ``jax.grad`` with respect to it gives a
+    SampleGramOperator of cotangents (``.params``, ``.samples``,
+    ``.diag_shift``). Unflattening computes and communicates nothing; the
+    model is linearised at first use in a trace, once for the traces nested
+    in it.
+
+    Example::
+
+        T = sample_gram(log_psi, params, my_samples, diag_shift=1e-3)
+        solve = jax.jit(lambda T, e: distlinalg.cg(T, e)[0])
+        x = solve(T, my_residuals)                               # (n_r,) or (n_r, 2)
+        x = solve(sample_gram(log_psi, new_params, new_samples, diag_shift=1e-3), e)  # same program
+    """
+
+    def __init__(self, model: LinearisedModel, diag_shift: Any):
+        # From the model's static spec only: this is also the unflatten.
+        super().__init__(
+            _sample_gram_matvec,
+            data=(model, diag_shift),
+            input_structure=sample_structure(model),
+            layout="sharded",
+            symmetric=model.mode != "holomorphic",
+            hermitian=True,
+            diagonal=_sample_gram_diagonal,
+            comm=model.comm,
+            name="SampleGramOperator",
+        )
+
+    @property
+    def model(self) -> LinearisedModel:
+        return self._data[0]
+
+    @property
+    def params(self) -> Any:
+        """The parameters the model is linearised at (or their cotangent)."""
+        return self.model.params
+
+    @property
+    def samples(self) -> Any:
+        """This rank's samples (or their cotangent)."""
+        return self.model.samples
+
+    @property
+    def diag_shift(self) -> Any:
+        return self._data[1]
+
+    def prepare(self) -> None:
+        """Linearise the model in the current trace, unless done there or in an enclosing one."""
+        self.model.prepare()
 
     @property
     def n_samples(self) -> int:
@@ -180,9 +234,13 @@ def sample_gram(
       centring). ``to_dense()`` gives this rank's rows, ``to_dense(gather=
       True)`` the whole matrix.
 
-    AD: differentiable with respect to params, samples and diag_shift
-    (build it inside the traced function); ``jax.grad`` through a solve
+    AD: differentiable with respect to params, samples and diag_shift, built
+    inside the differentiated function or passed to it (a pytree whose
+    leaves are params, samples and diag_shift); ``jax.grad`` through a solve
     with it gives exact meta-gradients.
+
+    Pytree and jit: see :class:`SampleGramOperator`. Every rank's sample
+    count is exchanged here, once, and kept static.
 
     Example::
 
@@ -197,28 +255,21 @@ def sample_gram(
 
 def sample_gram_operator(model: LinearisedModel, diag_shift: Any) -> SampleGramOperator:
     """T + λ I of an already linearised model (see :func:`sample_gram`)."""
+    return SampleGramOperator(model, diag_shift)
+
+
+def _sample_gram_matvec(data: tuple, x: jax.Array) -> jax.Array:
+    model, diag_shift = data
+    return sample_gram_product(model, x) + diag_shift * x
+
+
+def _sample_gram_diagonal(data: tuple) -> jax.Array:
+    """T_ii = |Ō_i|² / N + λ from this rank's rows (formed once per trace)."""
+    model, diag_shift = data
+    if model.sharded_params or model.communicates:
+        raise NotImplementedError(f"{_NAME}: the diagonal needs replicated parameters and a model "
+                                  "that does not communicate")
     structure = sample_structure(model)
-
-    def matvec(x: jax.Array) -> jax.Array:
-        return sample_gram_product(model, x) + diag_shift * x
-
-    def diagonal() -> jax.Array:
-        """T_ii = |Ō_i|² / N + λ from this rank's rows (formed once)."""
-        if model.sharded_params or model.communicates:
-            raise NotImplementedError(f"{_NAME}: the diagonal needs replicated parameters and a model "
-                                      "that does not communicate")
-        squares = jnp.sum(jnp.abs(model.local_rows()) ** 2, axis=1) / model.n_total
-        return (squares.reshape(structure.shape) + diag_shift).astype(structure.dtype)
-
-    return SampleGramOperator(
-        model,
-        diag_shift,
-        matvec=matvec,
-        input_structure=structure,
-        layout="sharded",
-        symmetric=model.mode != "holomorphic",
-        hermitian=True,
-        diagonal=diagonal,
-        comm=model.comm,
-        name="SampleGramOperator",
-    )
+    squares = model.cached("sample_diagonal",
+                           lambda: jnp.sum(jnp.abs(model.local_rows()) ** 2, axis=1) / model.n_total)
+    return (squares.reshape(structure.shape) + diag_shift).astype(structure.dtype)

@@ -9,12 +9,13 @@ chain talk to PROC_NULL). The standard Krylov benchmark problem.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from .._mpi import MPI, resolve_comm
+from .._mpi import MPI, Communicator, resolve_comm
 from ..comm.p2p import sendrecv
 from ._base import LinearOperator
 from ._partition import Partition, resolve_partition
@@ -28,7 +29,86 @@ def _stencil(u: jax.Array, above: jax.Array, below: jax.Array) -> jax.Array:
     return 4 * u - padded[:-2] - padded[2:] - left - right
 
 
-def laplacian_2d(n: int, *, row_partition: Any = None, dtype: Any = None, comm: Any = None) -> LinearOperator:
+class Laplacian2D(LinearOperator):
+    """The matrix-free 2-D Laplacian of :func:`laplacian_2d` (rank's block of grid rows).
+
+    Pytree: no children (the operator has no arrays). Its static part is
+    (n, the grid-row partition, dtype, communicator), compared by value, so
+    every ``laplacian_2d(n)`` of the same arguments has the same tree
+    definition and a jitted function taking it compiles once. Rebuilding it
+    from that part neither computes nor communicates (the partition was
+    agreed at construction).
+
+    Attributes:
+      n: grid points per side.
+      grid_rows: this rank's grid rows (s_r, s_{r+1}).
+
+    Example::
+
+        A = laplacian_2d(64)
+        x = jax.jit(lambda A, b: distlinalg.cg(A, b)[0])(A, b)
+    """
+
+    def __init__(self, n: int, grid_rows: Partition, dtype: Any, comm: Communicator):
+        rank = comm.rank
+        mine = grid_rows.size_of(rank)
+        holders = [r for r in range(comm.size) if grid_rows.size_of(r) > 0]
+        if mine:
+            position = holders.index(rank)
+            up = holders[position - 1] if position > 0 else MPI.PROC_NULL
+            down = holders[position + 1] if position + 1 < len(holders) else MPI.PROC_NULL
+        else:
+            up = down = MPI.PROC_NULL
+        geometry = _Geometry(n, mine, up, down, comm)
+        super().__init__(
+            functools.partial(_laplacian_matvec, geometry=geometry),
+            # Bound to an empty tuple, not a closure: nothing is a child, and
+            # the diagonal is recomputed rather than cached as a child (which
+            # would change the tree definition after a first diagonal()).
+            data=(),
+            input_structure=jax.ShapeDtypeStruct((mine * n,), dtype),
+            layout="sharded",
+            symmetric=True,
+            hermitian=True,
+            diagonal=lambda _: jnp.full((mine * n,), 4, dtype),
+            comm=comm,
+            name="Laplacian2D",
+        )
+        self._static_key = (n, grid_rows, jnp.dtype(dtype), comm)
+        self.grid_rows = (grid_rows.starts[rank], grid_rows.starts[rank + 1])
+        self.n = n
+
+    def _tree_flatten(self) -> tuple[tuple[()], tuple]:
+        return (), self._static_key
+
+    @classmethod
+    def _tree_unflatten(cls, static: tuple, children: tuple[()]) -> "Laplacian2D":
+        return cls(*static)
+
+
+class _Geometry(NamedTuple):
+    n: int
+    mine: int  # grid rows on this rank
+    up: int  # the rank holding the rows above (or PROC_NULL)
+    down: int
+    comm: Communicator
+
+
+def _laplacian_matvec(_: tuple, v: Any, *, geometry: _Geometry) -> Any:
+    n, mine, up, down, comm = geometry
+    v = jnp.asarray(v)
+    if not mine:
+        return v
+    u = v.reshape(mine, n)
+    boundary = jnp.zeros((n,), v.dtype)
+    # My last row goes down and my first row goes up; what arrives is
+    # the row just above (from `up`) and just below (from `down`).
+    above = sendrecv(u[-1], boundary, up, down, sendtag=1, recvtag=1, comm=comm)
+    below = sendrecv(u[0], boundary, down, up, sendtag=2, recvtag=2, comm=comm)
+    return _stencil(u, above, below).reshape(-1)
+
+
+def laplacian_2d(n: int, *, row_partition: Any = None, dtype: Any = None, comm: Any = None) -> Laplacian2D:
     """The 2-D 5-point Laplacian on an n×n grid, grid rows split across ranks.
 
     Args:
@@ -40,50 +120,26 @@ def laplacian_2d(n: int, *, row_partition: Any = None, dtype: Any = None, comm: 
       comm: communicator (default distlinalg's).
 
     Returns:
-      A sharded, symmetric LinearOperator on flat vectors: rank r holds grid
-      rows [s_r, s_{r+1}) in row-major order, a vector of shape
+      A sharded, symmetric :class:`Laplacian2D` on flat vectors: rank r
+      holds grid rows [s_r, s_{r+1}) in row-major order, a vector of shape
       ((s_{r+1} − s_r)·n,) — the rows of the matrix
       ``kron(I, T) + kron(T, I)``, T = tridiag(−1, 2, −1), that rank owns.
       Two sendrecvs of n entries per matvec; ``diagonal()`` is 4.
       ``op.grid_rows`` is this rank's (s_r, s_{r+1}).
+
+    Every rank must build it together (the partition is checked across
+    ranks, once). A pytree with no children: pass it to a jitted function
+    as an argument (every laplacian_2d of the same arguments shares the
+    compilation).
+
+    Example::
+
+        A = laplacian_2d(64)
+        y = A @ my_block_of_x                    # (rows_r * 64,)
     """
     comm = resolve_comm(comm)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"distlinalg.operators.laplacian_2d: n must be a positive int, got {n!r}")
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(float)
     grid_rows: Partition = resolve_partition(row_partition, n, comm, "row_partition")
-    rank = comm.rank
-    mine = grid_rows.size_of(rank)
-    holders = [r for r in range(comm.size) if grid_rows.size_of(r) > 0]
-    if mine:
-        position = holders.index(rank)
-        up = holders[position - 1] if position > 0 else MPI.PROC_NULL
-        down = holders[position + 1] if position + 1 < len(holders) else MPI.PROC_NULL
-    else:
-        up = down = MPI.PROC_NULL
-
-    def matvec(v: Any) -> Any:
-        v = jnp.asarray(v)
-        if not mine:
-            return v
-        u = v.reshape(mine, n)
-        boundary = jnp.zeros((n,), v.dtype)
-        # My last row goes down and my first row goes up; what arrives is
-        # the row just above (from `up`) and just below (from `down`).
-        above = sendrecv(u[-1], boundary, up, down, sendtag=1, recvtag=1, comm=comm)
-        below = sendrecv(u[0], boundary, down, up, sendtag=2, recvtag=2, comm=comm)
-        return _stencil(u, above, below).reshape(-1)
-
-    op = LinearOperator(
-        matvec,
-        input_structure=jax.ShapeDtypeStruct((mine * n,), dtype),
-        layout="sharded",
-        symmetric=True,
-        hermitian=True,
-        diagonal=lambda: jnp.full((mine * n,), 4, dtype),
-        comm=comm,
-        name="Laplacian2D",
-    )
-    op.grid_rows = (grid_rows.starts[rank], grid_rows.starts[rank + 1])
-    op.n = n
-    return op
+    return Laplacian2D(n, grid_rows, dtype, comm)
