@@ -62,6 +62,7 @@ def make_solver(name, **kwargs):
     return getattr(dlx, name)(rtol=1e-12, atol=0.0, **kwargs)
 
 
+@pytest.mark.max_ranks(2)  # replicated, rank-count independent beyond 2 (CI time)
 @pytest.mark.parametrize("name", KRYLOV)
 def test_replicated_communicating_spd(comm, rank, size, name):
     S = spd(7, 1)
@@ -152,6 +153,7 @@ def test_gradients_through_linear_solve_sharded(comm, rank, size):
     np.testing.assert_allclose(concat_blocks(g, comm), np.asarray(expected), rtol=1e-7, atol=1e-10)
 
 
+@pytest.mark.max_ranks(2)  # replicated, rank-count independent beyond 2 (CI time)
 def test_lineax_solvers_on_communicating_matvec(comm, rank, size):
     """lineax.CG inside linear_solve on a matvec with an allreduce: the
     KeyError: MPIEffect case, through DistributedOperator and through Ordered."""
@@ -179,6 +181,7 @@ def test_lineax_solvers_on_communicating_matvec(comm, rank, size):
     np.testing.assert_allclose(concat_blocks(sol.value, comm), np.linalg.solve(np.asarray(reference), rhs), rtol=1e-9)
 
 
+@pytest.mark.max_ranks(2)  # replicated, rank-count independent beyond 2 (CI time)
 def test_results_mapping(comm, rank, size):
     expected = {
         Reason.CONVERGED_RTOL: lx.RESULTS.successful,
