@@ -598,3 +598,26 @@ jax.tree_util.register_pytree_node(LinearisedModel, LinearisedModel._tree_flatte
 
 def flat_size(tree: Any) -> int:
     return int(sum(np.prod(jnp.shape(x), dtype=np.int64) for x in leaves(tree)))
+
+
+class ModelOperator(LinearisedOperator):
+    """A LinearisedOperator whose children are ``(model, diag_shift, ...)``: the
+    Gram matrices in parameter space and in sample space."""
+
+    @property
+    def model(self) -> LinearisedModel:
+        return self._data[0]
+
+    @property
+    def params(self) -> Any:
+        """The parameters the model is linearised at (or their cotangent)."""
+        return self.model.params
+
+    @property
+    def samples(self) -> Any:
+        """This rank's samples (or their cotangent)."""
+        return self.model.samples
+
+    @property
+    def diag_shift(self) -> Any:
+        return self._data[1]

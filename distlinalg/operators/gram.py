@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .._mpi import resolve_comm
-from ._jacobian import MODES, LinearisedModel, LinearisedOperator, tree_map
+from ._jacobian import MODES, LinearisedModel, ModelOperator, tree_map
 
 __all__ = ["gram", "gram_operator", "GramOperator", "MODES"]
 
@@ -136,7 +136,7 @@ def gram_operator(model: LinearisedModel, diag_shift: Any, diag_scale: Any = Non
     return op
 
 
-class GramOperator(LinearisedOperator):
+class GramOperator(ModelOperator):
     """S = ŌᴴŌ/N + diag_shift·I + diag_scale·diag(ŌᴴŌ/N); see :func:`gram`.
 
     Args:
@@ -185,24 +185,6 @@ class GramOperator(LinearisedOperator):
             comm=model.comm,
             name="GramOperator",
         )
-
-    @property
-    def model(self) -> LinearisedModel:
-        return self._data[0]
-
-    @property
-    def params(self) -> Any:
-        """The parameters the model is linearised at (or their cotangent)."""
-        return self.model.params
-
-    @property
-    def samples(self) -> Any:
-        """This rank's samples (or their cotangent)."""
-        return self.model.samples
-
-    @property
-    def diag_shift(self) -> Any:
-        return self._data[1]
 
     @property
     def diag_scale(self) -> Any:

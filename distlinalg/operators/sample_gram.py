@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from .._mpi import resolve_comm
 from ..comm.p2p import sendrecv
 from ._base import gather_rows
-from ._jacobian import LinearisedModel, LinearisedOperator
+from ._jacobian import LinearisedModel, ModelOperator
 
 __all__ = ["sample_gram", "sample_gram_operator", "SampleGramOperator", "sample_structure"]
 
@@ -91,7 +91,7 @@ def sample_structure(model: LinearisedModel) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((model.n_local,), model.dtype)
 
 
-class SampleGramOperator(LinearisedOperator):
+class SampleGramOperator(ModelOperator):
     """T = Ō Ōᴴ / N + λ I on this rank's samples; see :func:`sample_gram`.
 
     Args:
@@ -130,24 +130,6 @@ class SampleGramOperator(LinearisedOperator):
             comm=model.comm,
             name="SampleGramOperator",
         )
-
-    @property
-    def model(self) -> LinearisedModel:
-        return self._data[0]
-
-    @property
-    def params(self) -> Any:
-        """The parameters the model is linearised at (or their cotangent)."""
-        return self.model.params
-
-    @property
-    def samples(self) -> Any:
-        """This rank's samples (or their cotangent)."""
-        return self.model.samples
-
-    @property
-    def diag_shift(self) -> Any:
-        return self._data[1]
 
     def prepare(self) -> None:
         """Linearise the model in the current trace, unless done there or in an enclosing one."""
