@@ -76,6 +76,8 @@ ffi::Error AllreduceImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                          ffi::RunId run, int64_t site) {
   const int64_t n = x.element_count();
   DL_PREAMBLE("allreduce", x.element_type(), n, -1, Signature("allreduce").Buffer(x).Op(op));
+  BackByHugePages(x);
+  BackByHugePages(*y);
   MPI_Op mop = CheckedOp(op, x.element_type());
   if (mop == MPI_OP_NULL) return BadOp("allreduce", op, x.element_type());
   char* in = Bytes(x);
@@ -99,6 +101,8 @@ ffi::Error ReduceImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   const int64_t n = x.element_count();
   DL_PREAMBLE("reduce", x.element_type(), n, root,
               Signature("reduce").Buffer(x).Op(op).Root(root));
+  BackByHugePages(x);
+  BackByHugePages(*y);
   MPI_Op mop = CheckedOp(op, x.element_type());
   if (mop == MPI_OP_NULL) return BadOp("reduce", op, x.element_type());
   const bool is_root = CommRank(comm) == root;
@@ -120,6 +124,8 @@ ffi::Error BcastImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                          ffi::RunId run, int64_t site) {
   const int64_t n = x.element_count();
   DL_PREAMBLE("bcast", x.element_type(), n, root, Signature("bcast").Buffer(x).Root(root));
+  BackByHugePages(x);
+  BackByHugePages(*y);
   char* out = Bytes(y);
   if (CommRank(comm) == root && out != Bytes(x)) {
     DL_CHECK(CopyBytes(out, Bytes(x), n * ti.itemsize));
@@ -138,6 +144,8 @@ ffi::Error GatherImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                          ffi::RunId run, int64_t site) {
   const int64_t n = x.element_count();
   DL_PREAMBLE("gather", x.element_type(), n, root, Signature("gather").Buffer(x).Root(root));
+  BackByHugePages(x);
+  BackByHugePages(*y);
   const bool is_root = CommRank(comm) == root;
   char* out = Bytes(y);
   if (!is_root) DL_CHECK(ZeroBytes(out, y->element_count() * ti.itemsize));
@@ -157,6 +165,8 @@ ffi::Error ScatterImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                          ffi::RunId run, int64_t site) {
   const int64_t n = y->element_count();
   DL_PREAMBLE("scatter", x.element_type(), n, root, Signature("scatter").Buffer(y).Root(root));
+  BackByHugePages(x);
+  BackByHugePages(*y);
   const bool is_root = CommRank(comm) == root;
   BlockType block;
   DL_MPI_CHECK("scatter", block.Init(n, ti.type));
@@ -173,6 +183,8 @@ ffi::Error AllgatherImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                          ffi::RunId run, int64_t site) {
   const int64_t n = x.element_count();
   DL_PREAMBLE("allgather", x.element_type(), n, -1, Signature("allgather").Buffer(x));
+  BackByHugePages(x);
+  BackByHugePages(*y);
   BlockType block;
   DL_MPI_CHECK("allgather", block.Init(n, ti.type));
   DL_MPI_CHECK("allgather",
@@ -190,6 +202,8 @@ ffi::Error ReduceScatterImpl(ffi::Token, ffi::AnyBuffer x,
   const int64_t n = y->element_count();
   DL_PREAMBLE("reduce_scatter", x.element_type(), n, -1,
               Signature("reduce_scatter").Buffer(x).Op(op));
+  BackByHugePages(x);
+  BackByHugePages(*y);
   MPI_Op mop = CheckedOp(op, x.element_type());
   if (mop == MPI_OP_NULL) return BadOp("reduce_scatter", op, x.element_type());
   if (n <= GlobalSettings().max_count) {
@@ -225,6 +239,8 @@ ffi::Error AlltoallImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   }();
   const int64_t n = x.element_count() / size;
   DL_PREAMBLE("alltoall", x.element_type(), n, -1, Signature("alltoall").Buffer(x));
+  BackByHugePages(x);
+  BackByHugePages(*y);
   BlockType block;
   DL_MPI_CHECK("alltoall", block.Init(n, ti.type));
   DL_MPI_CHECK("alltoall",
@@ -243,6 +259,8 @@ ffi::Error ScanImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   const int64_t n = x.element_count();
   DL_PREAMBLE(exclusive ? "exscan" : "scan", x.element_type(), n, -1,
               Signature(exclusive ? "exscan" : "scan").Buffer(x).Op(op));
+  BackByHugePages(x);
+  BackByHugePages(*y);
   MPI_Op mop = CheckedOp(op, x.element_type());
   if (mop == MPI_OP_NULL) return BadOp("scan", op, x.element_type());
   char* in = Bytes(x);

@@ -162,7 +162,10 @@ ffi::Error DeviceZero(void* dst, size_t bytes) {
   return Synchronize(t_stream);
 }
 
-const BufferOps kDeviceBufferOps{&DeviceCopy, &DeviceZero};
+// Device memory has no host page tables to advise.
+void DeviceBackByHugePages(const void*, size_t) {}
+
+const BufferOps kDeviceBufferOps{&DeviceCopy, &DeviceZero, &DeviceBackByHugePages};
 
 }  // namespace
 

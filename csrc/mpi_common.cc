@@ -1,6 +1,9 @@
 #include "mpi_common.h"
 
 #include <dlfcn.h>
+#include <sys/mman.h>
+
+#include <array>
 
 #include <cmath>
 #include <sstream>
@@ -27,10 +30,43 @@ ffi::Error HostZero(void* dst, size_t bytes) {
   std::memset(dst, 0, bytes);
   return ffi::Error::Success();
 }
+
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25  // Linux >= 6.1
+#endif
+
+// The whole 2 MiB pages inside [data, data + bytes). Pages not yet touched
+// (a fresh XLA output) fault in as huge pages after MADV_HUGEPAGE; pages
+// already present (an input XLA wrote, a loop carry) are merged once by
+// MADV_COLLAPSE, which copies them. Collapsed ranges are remembered so that a
+// buffer a loop hands over on every call costs one cheap madvise, not a
+// page-table walk per call. Kernels without THP or MADV_COLLAPSE answer EINVAL, which
+// only means the advice was not taken.
+void HostBackByHugePages(const void* data, size_t bytes) {
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t start = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (end <= start) return;
+  void* range = reinterpret_cast<void*>(start);
+  const size_t length = end - start;
+  struct Range {
+    uintptr_t start = 0, end = 0;
+  };
+  // Guarded by MpiLock in the serialised mode; a thread-local list otherwise.
+  thread_local std::array<Range, 16> collapsed{};
+  thread_local size_t next = 0;
+  madvise(range, length, MADV_HUGEPAGE);
+  for (const Range& r : collapsed) {
+    if (r.start == start && r.end == end) return;
+  }
+  madvise(range, length, MADV_COLLAPSE);
+  collapsed[next] = Range{start, end};
+  next = (next + 1) % collapsed.size();
+}
 }  // namespace
 
 const BufferOps& HostBufferOps() {
-  static const BufferOps ops{&HostCopy, &HostZero};
+  static const BufferOps ops{&HostCopy, &HostZero, &HostBackByHugePages};
   return ops;
 }
 

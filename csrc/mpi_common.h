@@ -76,6 +76,9 @@ class MpiLock {
 struct BufferOps {
   ffi::Error (*copy)(void* dst, const void* src, size_t bytes);
   ffi::Error (*fill_zero)(void* dst, size_t bytes);
+  // Backs a large buffer by transparent huge pages (host: madvise; device:
+  // nothing). Advice only: never fails.
+  void (*back_by_huge_pages)(const void* data, size_t bytes);
 };
 const BufferOps& HostBufferOps();
 // The ops in force on this thread (HostBufferOps unless a scope replaced them).
@@ -88,6 +91,19 @@ inline ffi::Error CopyBytes(void* dst, const void* src, size_t bytes) {
 inline ffi::Error ZeroBytes(void* dst, size_t bytes) {
   if (bytes == 0) return ffi::Error::Success();
   return ThreadBufferOps()->fill_zero(dst, bytes);
+}
+
+// Large messages: MPICH's shared-memory copies run about 2x faster through
+// transparent huge pages (2 MiB TLB entries; numpy asks for them on arrays of
+// 4 MiB and more, XLA's allocator does not). Every handler passes the buffers
+// it gives MPI through here; below kHugePageMinBytes this is a comparison.
+inline constexpr size_t kHugePageMinBytes = size_t{4} << 20;
+inline void BackByHugePages(const void* data, size_t bytes) {
+  if (bytes < kHugePageMinBytes) return;
+  ThreadBufferOps()->back_by_huge_pages(data, bytes);
+}
+inline void BackByHugePages(const ffi::AnyBuffer& b) {
+  BackByHugePages(b.untyped_data(), b.size_bytes());
 }
 
 #define DL_CHECK(call)                         \

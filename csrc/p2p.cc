@@ -135,6 +135,7 @@ ffi::Error SendImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   DL_CHECKED_CALL_IF(PairCheckable(site, tag, tag), record, Signature("send").Buffer(x).Root(dest).Flag(tag),
                   CheckPair(dl_sig_, comm, MPI_PROC_NULL, dest, tag, tag,
                             x.element_type(), n, x.element_type(), n));
+  BackByHugePages(x);
   BlockType block;
   DL_MPI_CHECK("send", block.Init(n, ti.type));
   DL_MPI_CHECK("send", MPI_Send(x.untyped_data(), block.count(), block.type(),
@@ -162,6 +163,7 @@ ffi::Error RecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::Result<ffi::Token>,
   DL_CHECK(TakeEarly(comm, source, tag, y->untyped_data(), templ.untyped_data(),
                      y->size_bytes(), &early, &got));
   if (early) return ffi::Error::Success();
+  BackByHugePages(*y);
   BlockType block;
   DL_MPI_CHECK("recv", block.Init(n, ti.type));
   MPI_Status status;
@@ -194,6 +196,8 @@ ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
                   CheckPair(dl_sig_, comm, source, dest, sendtag, recvtag,
                             sendbuf.element_type(), ns, recvbuf.element_type(),
                             nr));
+  BackByHugePages(sendbuf);
+  BackByHugePages(*y);
   BlockType sblock, rblock;
   DL_MPI_CHECK("sendrecv", sblock.Init(ns, st.type));
   DL_MPI_CHECK("sendrecv", rblock.Init(nr, rt.type));
@@ -361,6 +365,8 @@ ffi::Error SendrecvStatusImpl(ffi::Token, ffi::AnyBuffer sendbuf,
                        CheckPair(dl_sig_, comm, source, dest, sendtag, recvtag,
                                  sendbuf.element_type(), ns, recvbuf.element_type(), nr));
   }
+  BackByHugePages(sendbuf);
+  BackByHugePages(*y);
   BlockType sblock, rblock;
   DL_MPI_CHECK("sendrecv", sblock.Init(ns, st.type));
   DL_MPI_CHECK("sendrecv", rblock.Init(nr, rt.type));
