@@ -122,8 +122,14 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, h
     # Without a preconditioner y = M r₂ is r₂ itself: carrying both would make
     # XLA copy the vector every iteration.
     preconditioned = precond is not C.identity
+    # The two-term histories (r₁, r₂) and (w₁, w₂) live in fixed slots "a" and
+    # "b": each step writes its new vector over the older one, and the next
+    # step reads the slots the other way round. Shifting the values down
+    # (r₁ ← r₂) instead made XLA copy two whole vectors per iteration. The loop
+    # body is therefore two steps, the second masked off when the first ends
+    # the solve (see `pair`).
     state = dict(
-        x=x0, r1=r1, r2=r1, y=y if preconditioned else None, w=zeros, w2=zeros,
+        x=x0, r_a=r1, r_b=r1, y=y if preconditioned else None, w_a=zeros, w_b=zeros,
         beta=beta1, oldb=zero, dbar=zero, epsln=zero, phibar=phibar,
         cs=-one, sn=zero, k=jnp.int32(0), reason=failure0, happy=jnp.bool_(False), hist=hist,
     )
@@ -131,16 +137,18 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, h
     def keep_going(s):
         return (s["reason"] == Reason.ITERATING) & ~s["happy"] & (s["k"] < maxiter) & ~(s["phibar"] <= threshold)
 
-    def step(s):
+    def step(s, older, newer, active=True):
+        # r₁ = s["r_" + older], r₂ = s["r_" + newer]; likewise w₁, w₂.
         beta, oldb = s["beta"], s["oldb"]
-        v = C.tree_scale(1 / beta, s["y"] if preconditioned else s["r2"])
+        r_old, r_new = s["r_" + older], s["r_" + newer]
+        v = C.tree_scale(1 / beta, s["y"] if preconditioned else r_new)
         y = op(v)
         # The three-term recurrence has no previous vector in the first step.
         previous = jnp.where(s["k"] >= 1, beta / jnp.where(oldb == 0, 1, oldb), 0)
-        y = C.tree_axpy(-previous, s["r1"], y)
+        y = C.tree_axpy(-previous, r_old, y)
         (alfa,) = map(real, red.dots([(v, y)]))
-        y = C.tree_axpy(-(alfa / beta), s["r2"], y)
-        r1, r2 = s["r2"], y
+        y = C.tree_axpy(-(alfa / beta), r_new, y)
+        r2 = y  # the new r₂; the old r₂ becomes r₁
         y = precond(r2)
         (beta_new_sq,) = map(real, red.dots([(r2, y)]))
         beta_new = jnp.sqrt(jnp.abs(beta_new_sq))
@@ -157,11 +165,13 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, h
         sn = beta_new / gamma
         phi = cs * s["phibar"]
         phibar = sn * s["phibar"]
-        w1, w2 = s["w2"], s["w"]
+        w1, w2 = s["w_" + older], s["w_" + newer]
         w = jax.tree_util.tree_map(
             lambda a, b_, c: (a - C.as_coefficient(oldeps, a) * b_ - C.as_coefficient(delta, a) * c)
             / C.as_coefficient(gamma, a), v, w1, w2)
-        x = C.tree_axpy(phi, w, s["x"])
+        # x ← x + φ w, only in an active step (a masked one may hold NaNs).
+        x = jax.tree_util.tree_map(
+            lambda xi, wi: jnp.where(active, xi + C.as_coefficient(phi, xi) * wi, xi), s["x"], w)
         failure = jnp.where(
             ~jnp.isfinite(alfa) | ~jnp.isfinite(beta_new_sq) | ~jnp.isfinite(phibar),
             Reason.DIVERGED_NANORINF,
@@ -171,20 +181,51 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, h
         # to ‖A v₁‖ ≈ (α₁, β₂)) across ranks.
         phibar, failure = _agree(red, phibar, failure, s["k"] == 0, b_norm, (alfa, jnp.hypot(alfa, beta_new)))
         k = s["k"] + 1
-        hist = C.record(s["hist"], k, phibar) if s["hist"] is not None else None
-        C.monitor_print("minres", red.comm, monitor, k, phibar)
-        return dict(
-            x=x, r1=r1, r2=r2, y=y if preconditioned else None, w=w, w2=w2, beta=beta_new, oldb=beta, dbar=dbar, epsln=epsln,
+        # A masked step records nowhere (an index past the history).
+        hist = C.record(s["hist"], jnp.where(active, k, jnp.iinfo(jnp.int32).max), phibar)
+        if active is True:
+            C.monitor_print("minres", red.comm, monitor, k, phibar)
+        new = dict(
+            x=x, y=y if preconditioned else None, beta=beta_new, oldb=beta, dbar=dbar, epsln=epsln,
             phibar=phibar, cs=cs, sn=sn, k=k, reason=failure, happy=beta_new == 0, hist=hist,
         )
+        new["r_" + older], new["r_" + newer] = r2, r_new
+        new["w_" + older], new["w_" + newer] = w, w2
+        if active is True:
+            return new
+        # Scalars of a masked step keep their values, so that the loop test
+        # sees the state the first step left. Its vectors are garbage, but the
+        # loop ends right after it.
+        return {key: (value if key in _VECTORS else
+                      jax.tree_util.tree_map(lambda n, o: jnp.where(active, n, o), value, s[key]))
+                for key, value in new.items()}
 
-    s = jax.lax.while_loop(keep_going, step, state)
+    if monitor:
+        # The monitor prints every step as it happens: one step per loop body.
+        def body(s):
+            t = step(s, "a", "b")
+            # Shift the slots back (the copies the pair avoids).
+            t["r_a"], t["r_b"], t["w_a"], t["w_b"] = t["r_b"], t["r_a"], t["w_b"], t["w_a"]
+            return t
+    else:
+        def body(s):
+            # `pair`: step k (r₁, w₁ in slots a) then step k+1 (slots b), the
+            # latter masked when step k ended the solve. Every rank takes the
+            # same branch values: keep_going reads agreed quantities only.
+            t = step(s, "a", "b")
+            return step(t, "b", "a", active=keep_going(t))
+
+    s = jax.lax.while_loop(keep_going, body, state)
     converged = (s["reason"] == Reason.ITERATING) & (s["phibar"] <= threshold)
     reason = C.finish_reason(from_atol, converged, s["k"], maxiter, s["reason"])
     happy = (reason == Reason.DIVERGED_MAX_IT) | (reason == Reason.ITERATING)
     reason = jnp.where(s["happy"] & happy, Reason.CONVERGED_HAPPY_BREAKDOWN, reason).astype(jnp.int32)
     converged = converged | (reason == Reason.CONVERGED_HAPPY_BREAKDOWN)
     return s["x"], SolverInfo(s["k"], s["phibar"], converged, reason, s["hist"])
+
+
+# Vectors of the MINRES loop state (the rest are scalars and the history).
+_VECTORS = frozenset({"x", "y", "r_a", "r_b", "w_a", "w_b"})
 
 
 def _agree(red: C.Reductions, value: Any, failure: Any, check: Any, b_norm: Any, probe: Any) -> tuple[Any, Any]:
