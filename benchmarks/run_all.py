@@ -176,7 +176,7 @@ def run_benchmarks(args, res: dict, save) -> dict:
                 extra = ["--sizes", *(str(8 ** k) for k in (1, 3, 5, 7)), str(64 << 20)]
             runs = coll[str(nprocs)] = {}
             runs["main"] = project.run(nprocs, "bench_collectives.py",
-                                       ["--contenders", "distlinalg-jit", "distlinalg-eager", "mpi4py", *common,
+                                       ["--contenders", "distlinalg-jit", "distlinalg-eager", "jax-eager-floor", "mpi4py", *common,
                                         *extra], out / f"collectives_n{nprocs}_main.json")
             if not (q and nprocs == 4):
                 runs["jax-gloo"] = project.run(nprocs, "bench_collectives.py",
@@ -273,7 +273,8 @@ def ratio(a, b) -> str:
 
 
 def collectives_section(coll: dict, lines: list[str], plots: list[str]) -> None:
-    names = {"distlinalg-jit": "distlinalg jit", "distlinalg-eager": "distlinalg eager", "mpi4jax": "mpi4jax",
+    names = {"distlinalg-jit": "distlinalg jit", "distlinalg-eager": "distlinalg eager",
+             "jax-eager-floor": "eager JAX floor (no MPI)", "mpi4jax": "mpi4jax",
              "jax-gloo": "JAX gloo (shard_map)"}
     lines += ["## 1. Collectives: per-call latency vs message size", "",
               "Message size = bytes of each rank's send buffer (float64). Per-call medians; the ratio is to "
@@ -288,7 +289,8 @@ def collectives_section(coll: dict, lines: list[str], plots: list[str]) -> None:
             lines += [f"skipped: {failed(main)}", ""]
             continue
         cols = []  # (label, run, contender)
-        for key, contender in (("main", "distlinalg-jit"), ("main", "distlinalg-eager"), ("mpi4jax", "mpi4jax"),
+        for key, contender in (("main", "distlinalg-jit"), ("main", "distlinalg-eager"), ("main", "jax-eager-floor"),
+                               ("mpi4jax", "mpi4jax"),
                                ("jax-gloo", "jax-gloo")):
             run = runs.get(key)
             if run is None:
@@ -617,6 +619,94 @@ def summary(res: dict) -> list[str]:
     return out
 
 
+# Targets of issue 18, as same-run ratios: (what, measured, target text, met or None if not measured).
+EAGER_SMALL_BYTES = 4096
+
+
+def targets(res: dict) -> list[tuple[str, str, str, bool | None]]:
+    """Every issue-18 target that this run measured, with its verdict (never a timed assertion)."""
+    out: list[tuple[str, str, str, bool | None]] = []
+    runs = res.get("collectives", {}).get("2", {})
+    main = runs.get("main", {})
+    if "results" in main:
+        r, ref = main["results"], main["results"]["mpi4py"]
+        mj = runs.get("mpi4jax", {})
+        for op in main["ops"]:
+            for size in main["sizes"]:
+                key = str(size)
+                jit = r.get("distlinalg-jit", {}).get(op, {}).get(key)
+                if jit is not None and ref[op].get(key):
+                    rj = jit / ref[op][key]
+                    out.append((f"{op} {fmt_size(size)} jit / mpi4py (2 ranks)", f"{rj:.2f}", "≤ 1.10", rj <= 1.10))
+                    peer = (mj.get("results") or {}).get("mpi4jax", {}).get(op, {}).get(key)
+                    peer_ref = (mj.get("results") or {}).get("mpi4py", {}).get(op, {}).get(key)
+                    if peer and peer_ref:
+                        rp = peer / peer_ref
+                        out.append((f"{op} {fmt_size(size)} jit vs mpi4jax (ratios to own mpi4py)",
+                                    f"{rj:.2f} vs {rp:.2f}", "≤ mpi4jax", rj <= rp * 1.05))
+                eager = r.get("distlinalg-eager", {}).get(op, {}).get(key)
+                floor = r.get("jax-eager-floor", {}).get(op, {}).get(key)
+                if eager is not None and size <= EAGER_SMALL_BYTES and ref[op].get(key):
+                    re_ = eager / ref[op][key]
+                    rf = eager / floor if floor else None
+                    met = re_ <= 3.0 or (rf is not None and rf <= 1.2)
+                    shown = f"{re_:.2f} (vs cheapest eager JAX op: {rf:.2f})" if rf else f"{re_:.2f}"
+                    out.append((f"{op} {fmt_size(size)} eager / mpi4py (2 ranks)", shown,
+                                "≤ 3, or ≤ 1.2 × the cheapest eager JAX op", met))
+    kr1 = res.get("krylov", {}).get("1", {}).get("results", {})
+    kr2 = res.get("krylov", {}).get("2", {}).get("results", {})
+
+    def per_it(results, name):
+        return (results.get(name) or {}).get("seconds_per_iteration")
+
+    lib, jsp, minres = per_it(kr1, "distlinalg-cg-lib"), per_it(kr1, "jax-scipy-cg"), per_it(kr1, "distlinalg-minres")
+    cg = per_it(kr1, "distlinalg-cg")
+    if lib and jsp:
+        out.append(("cg on laplacian_2d / jax.scipy cg, per iteration (1 rank)", f"{lib / jsp:.2f}", "≤ 1.20",
+                    lib / jsp <= 1.2))
+    if minres and (lib or cg):
+        ref_cg = lib if "distlinalg-cg-lib" in kr1 else cg
+        out.append(("minres / cg per iteration (1 rank)", f"{minres / ref_cg:.2f}", "≤ 1.30", minres / ref_cg <= 1.3))
+    for results, ranks, goal in ((kr1, 1, 0.85), (kr2, 2, 0.90)):
+        name = "distlinalg-cg-lib" if "distlinalg-cg-lib" in results else "distlinalg-cg"
+        if name in results:
+            frac = results[name]["bandwidth_bound_seconds"] / results[name]["seconds_per_iteration"]
+            out.append((f"cg at the STREAM bound ({ranks} rank{'s' if ranks > 1 else ''}; bound / time)",
+                        f"{frac:.0%}", f"≥ {goal:.0%}", frac >= goal))
+    petsc = res.get("krylov", {}).get("2-petsc", {}).get("results", {})
+    if per_it(petsc, "petsc-cg") and per_it(petsc, "jax-scipy-cg") and per_it(kr2, "distlinalg-cg-lib") \
+            and per_it(kr2, "jax-scipy-cg"):
+        # Two mpiexec runs: each normalised by its own jax.scipy cg on one process.
+        ours = per_it(kr2, "distlinalg-cg-lib") / per_it(kr2, "jax-scipy-cg")
+        theirs = per_it(petsc, "petsc-cg") / per_it(petsc, "jax-scipy-cg")
+        out.append(("cg per iteration vs PETSc KSPCG (2 ranks; each / its run's jax.scipy cg)",
+                    f"{ours / theirs:.2f}", "≤ 1.00", ours <= theirs))
+    return out
+
+
+def targets_section(res: dict, lines: list[str]) -> None:
+    rows = targets(res)
+    if not rows:
+        return
+    missed = [r for r in rows if r[3] is False]
+    lines += ["## Targets (issue 18): same-run ratios", "",
+              f"{len(rows) - len(missed)} of {len(rows)} met; **MISS** marks the others. Ratios of one run on a "
+              "shared machine: a guard against regressions, not a timed assertion.", "",
+              "| target | measured | goal | |", "|---|---|---|---|"]
+    lines += [f"| {what} | {got} | {goal} | {'ok' if met else '**MISS**'} |" for what, got, goal, met in rows]
+    lines.append("")
+
+
+def print_targets(res: dict) -> None:
+    rows = targets(res)
+    if not rows:
+        return
+    width = max(len(r[0]) for r in rows)
+    log(f"targets (issue 18): {sum(1 for r in rows if r[3])} of {len(rows)} met")
+    for what, got, goal, met in rows:
+        print(f"  {'ok  ' if met else 'MISS'}  {what:<{width}}  {got:>14}  (goal {goal})", flush=True)
+
+
 def commands(res: dict) -> list[tuple[str, str]]:
     found = []
 
@@ -652,6 +742,7 @@ def write_report(res: dict, meta: dict) -> None:
     heads = summary(res)
     if heads:
         lines += ["Headlines:", ""] + [f"- {h}" for h in heads] + [""]
+    targets_section(res, lines)
     plots: list[str] = []
     if "collectives" in res:
         collectives_section(res["collectives"], lines, plots)
@@ -705,6 +796,7 @@ def main() -> None:
         run_benchmarks(args, res, save)
         save(res)
     write_report(res, meta)
+    print_targets(res)
     log(f"done in {time.monotonic() - start:.0f} s")
 
 
