@@ -24,9 +24,8 @@ allgather: each rank contributes that many bytes (receives size× as much);
 alltoall: the buffer is split in `size` equal blocks (at least one element each);
 sendrecv: a ring shift (send to rank+1, receive from rank−1).
 jit loops carry what mpi4py's loop reuses: allreduce and bcast work in place
-on one buffer; alltoall and sendrecv carry a send buffer x and a receive
-buffer y (y = op(x, y)); allgather feeds one element of its result back with
-an in-place update, O(1), so the calls stay data-dependent.
+on one buffer; allgather, alltoall and sendrecv carry a send buffer x and a
+receive buffer y (y = op(x)), so XLA neither copies nor allocates per call.
 Every (op, size) is timed `repeats` times, the contenders interleaved; each
 sample runs enough calls to last about `target` seconds (calibrated per
 contender, the count agreed across ranks) and the slowest rank's time counts.
@@ -102,7 +101,8 @@ def _jit_body(op, rank, size, ops):
 
     The carry is what mpi4py's loop reuses: one buffer for the in-place
     operations (allreduce, bcast), a send buffer x and a receive buffer y for
-    alltoall and sendrecv (y = op(x, y), as ``comm.Alltoall(x, y)`` writes y).
+    allgather, alltoall and sendrecv (y = op(x), as ``comm.Alltoall(x, y)``
+    writes y; sendrecv also takes y as its template).
     Writing ``v = alltoall(v)`` instead would make XLA copy the result into the
     carry's buffer on every call, a copy mpi4py's program does not have.
     """
@@ -110,12 +110,11 @@ def _jit_body(op, rank, size, ops):
     def body(i, carry):
         if op == "allreduce":
             return ops["allreduce"](carry)
-        if op == "allgather":
-            v = carry
-            return v.at[0].set(ops["allgather"](v)[-1, 0])  # in-place O(1) feedback
         if op == "bcast":
             return ops["bcast"](carry)
         x, y = carry
+        if op == "allgather":
+            return x, ops["allgather"](x)
         if op == "alltoall":
             return x, ops["alltoall"](x.reshape(size, -1)).reshape(-1)
         if op == "sendrecv":
@@ -125,7 +124,7 @@ def _jit_body(op, rank, size, ops):
     return body
 
 
-def _jit_runner(op, body, n):
+def _jit_runner(op, body, n, size):
     import jax
     import jax.numpy as jnp
 
@@ -133,7 +132,12 @@ def _jit_runner(op, body, n):
     # output allocation per timed run (numpy's buffers are reused too), which would otherwise
     # dominate a run of one or two 64 MiB calls.
     loop = jax.jit(lambda v, count: jax.lax.fori_loop(0, count, body, v), donate_argnums=0)
-    state = {"x": (jnp.ones(n), jnp.zeros(n)) if op in ("alltoall", "sendrecv") else jnp.ones(n)}
+    if op in ("alltoall", "sendrecv"):
+        state = {"x": (jnp.ones(n), jnp.zeros(n))}
+    elif op == "allgather":
+        state = {"x": (jnp.ones(n), jnp.zeros((size, n)))}
+    else:
+        state = {"x": jnp.ones(n)}
 
     def run(count):
         state["x"] = loop(state["x"], jnp.int32(count))
@@ -157,7 +161,7 @@ def distlinalg_ops(rank, size):
 
 def make_distlinalg_jit(op, n, comm):
     rank, size = comm.Get_rank(), comm.Get_size()
-    return _jit_runner(op, _jit_body(op, rank, size, distlinalg_ops(rank, size)), n)
+    return _jit_runner(op, _jit_body(op, rank, size, distlinalg_ops(rank, size)), n, size)
 
 
 def make_distlinalg_eager(op, n, comm):
@@ -213,7 +217,7 @@ def mpi4jax_ops(rank, size, comm):
 
 def make_mpi4jax(op, n, comm):
     rank, size = comm.Get_rank(), comm.Get_size()
-    return _jit_runner(op, _jit_body(op, rank, size, mpi4jax_ops(rank, size, comm)), n)
+    return _jit_runner(op, _jit_body(op, rank, size, mpi4jax_ops(rank, size, comm)), n, size)
 
 
 def init_jax_gloo(comm):

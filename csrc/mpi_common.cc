@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <array>
+#include <chrono>
 
 #include <cmath>
 #include <sstream>
@@ -36,14 +37,20 @@ ffi::Error HostZero(void* dst, size_t bytes) {
 #endif
 
 // The whole 2 MiB pages inside [data, data + bytes). Pages not yet touched
-// (a fresh XLA output) fault in as huge pages after MADV_HUGEPAGE; pages
-// already present (an input XLA wrote, a loop carry) are merged once by
-// MADV_COLLAPSE, which copies them. Collapsed ranges are remembered so that a
-// buffer a loop hands over on every call costs one cheap madvise, not a
-// page-table walk per call. Kernels without THP or MADV_COLLAPSE answer EINVAL, which
-// only means the advice was not taken.
+// (a fresh XLA output) fault in as huge pages after MADV_HUGEPAGE. Pages
+// already present as 4 KiB pages (an input XLA wrote, a donated loop carry)
+// are merged by MADV_COLLAPSE, which copies them: worth it for a buffer that
+// comes back call after call (a loop's carry), a loss for memory the
+// allocator maps afresh each time at the same address. So a range whose
+// collapse did real work twice is left alone from then on; a collapse of
+// pages that are already huge costs a few µs and counts for nothing.
+// Kernels without THP or MADV_COLLAPSE answer EINVAL: the advice is simply
+// not taken.
 void HostBackByHugePages(const void* data, size_t bytes) {
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  // A collapse that copied pages takes ~150 µs per 2 MiB; one that found
+  // them huge, a few µs for the whole range.
+  constexpr auto kCollapseDidWork = std::chrono::microseconds(50);
   const uintptr_t start = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
   if (end <= start) return;
@@ -51,17 +58,26 @@ void HostBackByHugePages(const void* data, size_t bytes) {
   const size_t length = end - start;
   struct Range {
     uintptr_t start = 0, end = 0;
+    int collapses = 0;  // collapses that copied pages
   };
-  // Guarded by MpiLock in the serialised mode; a thread-local list otherwise.
-  thread_local std::array<Range, 16> collapsed{};
+  // Per thread: handlers run under MpiLock or on one thread per call.
+  thread_local std::array<Range, 16> seen{};
   thread_local size_t next = 0;
   madvise(range, length, MADV_HUGEPAGE);
-  for (const Range& r : collapsed) {
-    if (r.start == start && r.end == end) return;
+  Range* entry = nullptr;
+  for (Range& r : seen) {
+    if (r.start == start && r.end == end) entry = &r;
   }
-  madvise(range, length, MADV_COLLAPSE);
-  collapsed[next] = Range{start, end};
-  next = (next + 1) % collapsed.size();
+  if (entry != nullptr && entry->collapses >= 2) return;  // recycled memory
+  const auto t0 = std::chrono::steady_clock::now();
+  const int rc = madvise(range, length, MADV_COLLAPSE);
+  if (rc != 0 || std::chrono::steady_clock::now() - t0 < kCollapseDidWork) return;
+  if (entry == nullptr) {
+    entry = &seen[next];
+    *entry = Range{start, end, 0};
+    next = (next + 1) % seen.size();
+  }
+  ++entry->collapses;
 }
 }  // namespace
 
