@@ -51,10 +51,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# The one-process peers run on rank 0 while the other ranks sleep, and get the
-# whole node: distlinalg's per-rank CPU blocks (distlinalg/_cpu.py) would give
-# them one rank's share. Set DISTLINALG_CPU_AFFINITY=auto to measure with them.
-os.environ.setdefault("DISTLINALG_CPU_AFFINITY", "none")
+# distlinalg runs with its default per-rank CPU blocks (distlinalg/_cpu.py;
+# without them each rank's XLA threads and the other rank's busy-polling MPI
+# share every core: cg on 2 ranks reached 74% of the bandwidth bound instead
+# of ~100%). The one-process peers run on rank 0 while the other ranks sleep
+# and get the whole node's CPUs back for their run (`on_root`); in runs of
+# several ranks, though, JAX's thread pool in rank 0 was sized for that rank's
+# CPU block, so the fair peer figures are those of the 1-rank run.
+NODE_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 import jax  # noqa: E402
 
@@ -143,10 +147,19 @@ def on_root(fn, comm):
     """fn() on rank 0 while the other ranks sleep (not spin) in a non-blocking barrier; result everywhere."""
     result = None
     if comm.Get_rank() == 0:
+        mine = sorted(os.sched_getaffinity(0)) if NODE_CPUS else []
+        widen = NODE_CPUS and mine != NODE_CPUS
+        if widen:
+            from distlinalg._cpu import _restrict_all_threads
+
+            _restrict_all_threads(NODE_CPUS)  # every thread, XLA's pool included
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001
             result = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        finally:
+            if widen:
+                _restrict_all_threads(mine)
         comm.Ibarrier().Wait()
     else:
         req = comm.Ibarrier()
