@@ -41,9 +41,15 @@ ffi::Error HostZero(void* dst, size_t bytes) {
 // already present as 4 KiB pages (an input XLA wrote, a donated loop carry)
 // are merged by MADV_COLLAPSE, which copies them: worth it for a buffer that
 // comes back call after call (a loop's carry), a loss for memory the
-// allocator maps afresh each time at the same address. So a range whose
-// collapse did real work twice is left alone from then on; a collapse of
-// pages that are already huge costs a few µs and counts for nothing.
+// allocator maps afresh each time at the same address ("recycled"). A
+// collapse of pages that are already huge costs a few µs. So, per range
+// (remembered for the last 16 ranges seen):
+//   - a collapse that copied counts; one that found huge pages resets the
+//     count (the buffer stayed);
+//   - two counted collapses in a row mark the range recycled: it is skipped,
+//     except every 64th time it is seen, when it is collapsed once more and
+//     on its next sighting again: if that second one finds huge pages, a
+//     lasting buffer now lives there and the mark is dropped.
 // Kernels without THP or MADV_COLLAPSE answer EINVAL: the advice is simply
 // not taken.
 void HostBackByHugePages(const void* data, size_t bytes) {
@@ -51,6 +57,8 @@ void HostBackByHugePages(const void* data, size_t bytes) {
   // A collapse that copied pages takes ~150 µs per 2 MiB; one that found
   // them huge, a few µs for the whole range.
   constexpr auto kCollapseDidWork = std::chrono::microseconds(50);
+  constexpr int kRecycled = 2;
+  constexpr uint32_t kRetryEvery = 64;
   const uintptr_t start = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
   if (end <= start) return;
@@ -58,7 +66,9 @@ void HostBackByHugePages(const void* data, size_t bytes) {
   const size_t length = end - start;
   struct Range {
     uintptr_t start = 0, end = 0;
-    int collapses = 0;  // collapses that copied pages
+    int collapses = 0;   // consecutive collapses that copied pages
+    uint32_t skipped = 0;
+    bool probation = false;  // recycled, collapsed again: is it still?
   };
   // Per thread: handlers run under MpiLock or on one thread per call.
   thread_local std::array<Range, 16> seen{};
@@ -68,16 +78,28 @@ void HostBackByHugePages(const void* data, size_t bytes) {
   for (Range& r : seen) {
     if (r.start == start && r.end == end) entry = &r;
   }
-  if (entry != nullptr && entry->collapses >= 2) return;  // recycled memory
+  if (entry != nullptr && entry->collapses >= kRecycled && !entry->probation &&
+      ++entry->skipped % kRetryEvery != 0) {
+    return;
+  }
   const auto t0 = std::chrono::steady_clock::now();
   const int rc = madvise(range, length, MADV_COLLAPSE);
-  if (rc != 0 || std::chrono::steady_clock::now() - t0 < kCollapseDidWork) return;
+  const bool copied = rc == 0 && std::chrono::steady_clock::now() - t0 >= kCollapseDidWork;
   if (entry == nullptr) {
+    if (!copied) return;
     entry = &seen[next];
-    *entry = Range{start, end, 0};
+    *entry = Range{start, end, 0, 0, false};
     next = (next + 1) % seen.size();
   }
-  ++entry->collapses;
+  if (!copied) {
+    *entry = Range{start, end, 0, 0, false};  // a buffer that stays: huge now
+  } else if (entry->probation) {
+    entry->probation = false;  // still recycled
+  } else if (entry->collapses >= kRecycled) {
+    entry->probation = true;   // the periodic retry copied: look again next time
+  } else {
+    ++entry->collapses;
+  }
 }
 }  // namespace
 
