@@ -127,7 +127,7 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, h
     # step reads the slots the other way round. Shifting the values down
     # (r₁ ← r₂) instead made XLA copy two whole vectors per iteration. The loop
     # body is therefore two steps, the second masked off when the first ends
-    # the solve (see `pair`).
+    # the solve (see `body`).
     state = dict(
         x=x0, r_a=r1, r_b=r1, y=y if preconditioned else None, w_a=zeros, w_b=zeros,
         beta=beta1, oldb=zero, dbar=zero, epsln=zero, phibar=phibar,
@@ -209,7 +209,7 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, h
             return t
     else:
         def body(s):
-            # `pair`: step k (r₁, w₁ in slots a) then step k+1 (slots b), the
+            # Step k (r₁, w₁ in slots a) then step k+1 (slots b), the
             # latter masked when step k ended the solve. Every rank takes the
             # same branch values: keep_going reads agreed quantities only.
             t = step(s, "a", "b")
