@@ -230,6 +230,45 @@ def test_stopping_reasons(comm):
         assert int(info.reason) == Reason.CONVERGED_ATOL
 
 
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_minres_iterates_at_every_budget(comm, rank, size, layout, capfd):
+    """MINRES runs two steps per loop body (minres.py); a budget that ends
+    after the first of them, or a solve that converges there, must give
+    scipy's k-th iterate, k iterations and a history of k + 1 entries."""
+    import scipy.sparse.linalg as sla
+
+    A = spd(21)
+    A[0, 0] = -A[0, 0]  # indefinite: MINRES's own ground
+    b = np.random.default_rng(22).standard_normal(N)
+    mv, rows = sharded_operator(A, comm)
+    for k in (1, 2, 3):  # ends after the first step of a pair, the second, the first again
+        reference, _ = sla.minres(A, b, rtol=1e-30, maxiter=k)
+        for monitor in ((False, True) if k == 3 else (False,)):
+            if layout == "replicated":
+                x, info = minres(A, b, rtol=1e-30, maxiter=k, history=8, monitor=monitor, comm=comm)
+                want = reference
+            else:
+                x, info = minres(mv, b[rows], rtol=1e-30, maxiter=k, history=8, monitor=monitor,
+                                 layout="sharded", comm=comm)
+                want = reference[rows]
+            jax.effects_barrier()
+            np.testing.assert_allclose(x, want, rtol=1e-9, atol=1e-12)
+            assert int(info.iterations) == k and int(info.reason) == Reason.DIVERGED_MAX_IT
+            hist = np.asarray(info.history)
+            assert np.isfinite(hist[: k + 1]).all() and np.isnan(hist[k + 1:]).all()
+            np.testing.assert_allclose(hist[k], info.residual_norm)
+            lines = capfd.readouterr().out.count("KSP Residual norm")
+            assert lines == (k + 1 if monitor and rank == 0 else 0)
+    # Converging in the first step of a pair: the masked second one changes nothing.
+    x, info = minres(A, b, rtol=1e-10, history=40, comm=comm)
+    exact = np.linalg.solve(A, b)
+    np.testing.assert_allclose(x, exact, rtol=1e-8)
+    k = int(info.iterations)
+    reference, _ = sla.minres(A, b, rtol=1e-30, maxiter=k)
+    np.testing.assert_allclose(x, reference, rtol=1e-9, atol=1e-12)
+    assert np.isnan(np.asarray(info.history)[k + 1:]).all()
+
+
 def test_history_and_monitor(comm, rank, capfd):
     A = spd(16)
     b = np.random.default_rng(17).standard_normal(N)
