@@ -61,16 +61,12 @@ def new_primitive(name: str, *, multiple_results: bool = False) -> Primitive:
     twin.multiple_results = True
     _eager_twins[prim] = twin
 
-    @functools.lru_cache(maxsize=None)
-    def compiled(params: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
-        return jax.jit(functools.partial(twin.bind, **dict(params)))
-
     def eager_impl(*args: Any, **params: Any) -> Any:
         # One eager operation at a time per process, run to completion: two
         # Python threads calling operations at once would otherwise hand
         # their collectives to MPI in an order that differs between ranks.
         with _eager_lock:
-            outs = compiled(tuple(sorted(params.items())))(*args)
+            outs = compiled_call(twin, args, params)
             for out in outs:  # (not jax.block_until_ready: its pytree walk costs µs here)
                 out.block_until_ready()
         if not multiple_results:
@@ -78,6 +74,42 @@ def new_primitive(name: str, *, multiple_results: bool = False) -> Primitive:
         return outs[:-1] if _has_dummy_result(prim) else outs
 
     prim.def_impl(eager_impl)
+    return prim
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(prim: Primitive, params: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+    return jax.jit(functools.partial(prim.bind, **dict(params)))
+
+
+def compiled_call(prim: Primitive, args: Sequence[Any], params: dict[str, Any]) -> Any:
+    """``prim.bind(*args, **params)`` as a compiled program, cached per parameters."""
+    return _compiled(prim, tuple(sorted(params.items())))(*args)
+
+
+def new_expanded_primitive(
+    name: str,
+    shape_rule: Callable[..., Any],
+    expansion: Callable[..., Sequence[Any]],
+) -> Primitive:
+    """A communication primitive defined by what it expands into.
+
+    For the protocol primitives of differentiated point-to-point messages
+    (``comm/p2p.py``): `expansion(*args, **params)` returns the list of
+    results, computed by binding other communication primitives, whose
+    lowerings are per platform. The expansion is the lowering on every
+    platform, so a composite primitive lowers wherever its parts do (the
+    CPU and, in builds with the CUDA handlers, CUDA). Eagerly it runs as
+    one compiled program. Its JVP and batching rules are the caller's.
+
+    Args:
+      shape_rule: ``(*avals, **params) -> list of avals`` of the results.
+    """
+    prim = Primitive(f"distlinalg_{name}")
+    prim.multiple_results = True
+    prim.def_effectful_abstract_eval(lambda *avals, **params: (shape_rule(*avals, **params), {mpi_effect}))
+    mlir.register_lowering(prim, mlir.lower_fun(expansion, multiple_results=True))
+    prim.def_impl(lambda *args, **params: compiled_call(prim, args, params))
     return prim
 
 
@@ -357,6 +389,8 @@ __all__ = [
     "lowering_without_mpi_token",
     "mpi_effect",
     "new_primitive",
+    "new_expanded_primitive",
+    "compiled_call",
     "bind",
     "as_array",
     "def_abstract_eval",

@@ -71,14 +71,12 @@ that status (see the section below).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
 from mpi4py import MPI
 
 from .._mpi import (
@@ -90,7 +88,6 @@ from .._mpi import (
     check_tag,
     resolve_comm,
 )
-from .._compat import mlir
 from . import _core
 from ._core import ad, batching
 
@@ -175,15 +172,8 @@ batching.primitive_batchers[sendrecv_p] = _sendrecv_batch
 # sends [s.ravel(), 1 * depth], receives [r.ravel(), flags]; returns the
 # received value and flags: bool[depth], flags[k] set when the source
 # differentiates this message at nesting level k and posts its tangent.
-flagged_sendrecv_p = Primitive("distlinalg_sendrecv_flagged")
-flagged_sendrecv_p.multiple_results = True
-
-
 def _flagged_shapes(s, r, *, depth, **_):
-    return [_core.shaped(r.shape, r.dtype), _core.shaped((depth,), np.bool_)], {_core.mpi_effect}
-
-
-flagged_sendrecv_p.def_effectful_abstract_eval(_flagged_shapes)
+    return [_core.shaped(r.shape, r.dtype), _core.shaped((depth,), np.bool_)]
 
 
 def _flagged_exchange(s, r, *, comm, source, dest, sendtag, recvtag, depth):
@@ -198,15 +188,7 @@ def _flagged_exchange(s, r, *, comm, source, dest, sendtag, recvtag, depth):
     return [got[:n].reshape(r.shape), got[n:] != 0]
 
 
-mlir.register_lowering(flagged_sendrecv_p, mlir.lower_fun(_flagged_exchange, multiple_results=True), platform="cpu")
-
-
-@functools.lru_cache(maxsize=None)
-def _flagged_compiled(params: tuple) -> Any:
-    return jax.jit(functools.partial(flagged_sendrecv_p.bind, **dict(params)))
-
-
-flagged_sendrecv_p.def_impl(lambda s, r, **params: _flagged_compiled(tuple(sorted(params.items())))(s, r))
+flagged_sendrecv_p = _core.new_expanded_primitive("sendrecv_flagged", _flagged_shapes, _flagged_exchange)
 
 
 def _flagged_jvp(primals, tangents, *, depth, **params):
@@ -513,16 +495,11 @@ ad.primitive_jvps[sendrecv_status_p] = _status_jvp
 ad.primitive_transposes[sendrecv_status_p] = _status_transpose
 batching.primitive_batchers[sendrecv_status_p] = _status_batch
 
+
 # The flagged primal exchange of a differentiated status exchange (as
 # flagged_sendrecv_p, plus the status, whose count leaves out the flags).
-flagged_status_p = Primitive("distlinalg_sendrecv_status_flagged")
-flagged_status_p.multiple_results = True
-flagged_status_p.def_effectful_abstract_eval(
-    lambda s, r, route, *, depth, **_: (
-        [_core.shaped(r.shape, r.dtype), _core.shaped((depth,), np.bool_), _core.shaped((3,), np.int32)],
-        {_core.mpi_effect},
-    )
-)
+def _flagged_status_shapes(s, r, route, *, depth, **_):
+    return [_core.shaped(r.shape, r.dtype), _core.shaped((depth,), np.bool_), _core.shaped((3,), np.int32)]
 
 
 def _flagged_status_exchange(s, r, route, *, depth, **params):
@@ -541,17 +518,9 @@ def _flagged_status_exchange(s, r, route, *, depth, **params):
     return [got[:n].reshape(r.shape), delivered, status.at[2].set(count)]
 
 
-# lower_fun expands into sendrecv_status_p, which has the platform-specific
-# lowerings: one rule serves every platform.
-mlir.register_lowering(flagged_status_p, mlir.lower_fun(_flagged_status_exchange, multiple_results=True))
-flagged_status_p.def_impl(
-    lambda s, r, route, **params: _flagged_status_compiled(tuple(sorted(params.items())))(s, r, route)
+flagged_status_p = _core.new_expanded_primitive(
+    "sendrecv_status_flagged", _flagged_status_shapes, _flagged_status_exchange
 )
-
-
-@functools.lru_cache(maxsize=None)
-def _flagged_status_compiled(params: tuple) -> Any:
-    return jax.jit(functools.partial(flagged_status_p.bind, **dict(params)))
 
 
 def _flagged_status_jvp(primals, tangents, *, depth, **params):
