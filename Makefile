@@ -89,6 +89,9 @@ test-mpi4jax: setup
 # The CUDA handlers without a GPU: registered on the CPU (DISTLINALG_CUDA_EMULATION)
 # and driven through a stand-in CUDA driver that defers every copy to the next
 # stream synchronisation (tests/cuda_driver_stub.c), host-staged and CUDA-aware.
+# The host-staged pass stages in 1 KiB chunks, so every buffer above 1 KiB takes
+# the chunked path (two pinned bounce blocks, pageable host memory) and smaller
+# ones the whole-buffer path.
 # Skipped when the build found no cuda.h.
 CUDA_STUB := build/libcuda_stub.so
 EMULATION_RANKS ?= 2
@@ -105,7 +108,7 @@ $(CUDA_STUB): tests/cuda_driver_stub.c
 test-cuda-emulation: setup $(CUDA_STUB)
 	@if $(BIN)/python -c "import sys, distlinalg._mpi as m; sys.exit(0 if m.BUILD_INFO['cuda'] else 1)" 2>/dev/null; then \
 	  echo "=== CUDA handlers, host-staged (emulated)"; \
-	  $(EMULATION) DISTLINALG_CUDA_AWARE=0 $(BIN)/python tests/run_mpi.py --ranks $(EMULATION_RANKS) -- $(EMULATION_TESTS) $(EMULATION_PYTEST_ARGS) && \
+	  $(EMULATION) DISTLINALG_CUDA_AWARE=0 DISTLINALG_CUDA_STAGING_CHUNK=1K $(BIN)/python tests/run_mpi.py --ranks $(EMULATION_RANKS) -- $(EMULATION_TESTS) $(EMULATION_PYTEST_ARGS) && \
 	  echo "=== CUDA handlers, CUDA-aware (emulated)" && \
 	  $(EMULATION) DISTLINALG_CUDA_AWARE=1 $(BIN)/python tests/run_mpi.py --ranks $(EMULATION_RANKS) -- $(EMULATION_TESTS) $(EMULATION_PYTEST_ARGS); \
 	else echo "=== CUDA handlers not built: emulation tests skipped"; fi

@@ -5,9 +5,12 @@
 #if defined(DL_WITH_CUDA)
 
 #include <dlfcn.h>
+#include <sys/mman.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 
@@ -26,6 +29,10 @@ struct Driver {
   decltype(&::cuMemsetD8Async) fill_bytes = nullptr;
   decltype(&::cuStreamSynchronize) synchronize = nullptr;
   decltype(&::cuMemHostAlloc) host_alloc = nullptr;
+  decltype(&::cuEventCreate) event_create = nullptr;
+  decltype(&::cuEventRecord) event_record = nullptr;
+  decltype(&::cuEventSynchronize) event_synchronize = nullptr;
+  decltype(&::cuEventDestroy_v2) event_destroy = nullptr;
   std::string error;  // empty once loaded
 };
 
@@ -60,6 +67,10 @@ const Driver& LoadDriver() {
     Resolve(lib, "cuMemsetD8Async", &driver.fill_bytes, &e);
     Resolve(lib, "cuStreamSynchronize", &driver.synchronize, &e);
     Resolve(lib, "cuMemHostAlloc", &driver.host_alloc, &e);
+    Resolve(lib, "cuEventCreate", &driver.event_create, &e);
+    Resolve(lib, "cuEventRecord", &driver.event_record, &e);
+    Resolve(lib, "cuEventSynchronize", &driver.event_synchronize, &e);
+    Resolve(lib, "cuEventDestroy_v2", &driver.event_destroy, &e);
     if (e.empty()) {
       CUresult rc = driver.init(0);
       if (rc != CUDA_SUCCESS) e = "cuInit failed with code " + std::to_string(rc);
@@ -139,6 +150,56 @@ class PinnedPool {
 };
 
 std::atomic<int> g_transport{static_cast<int>(Transport::kHostStaged)};
+std::atomic<size_t> g_staging_chunk{size_t{64} << 20};
+
+// Two pinned blocks of one staging chunk, each with an event marking when
+// the copy last queued on it is done: the bounce buffers of one chunked copy.
+// Destroyed only after the stream is idle, so no copy is still in flight
+// into a block handed back to the pool.
+class BouncePair {
+ public:
+  BouncePair(const Driver& d, CUstream stream, size_t chunk, ffi::Error* error)
+      : d_(d), stream_(stream) {
+    for (int i = 0; i < 2; ++i) {
+      block[i] = PinnedPool::Get().Take(chunk, error);
+      if (block[i] == nullptr) return;
+      CUresult rc = d_.event_create(&done[i], CU_EVENT_DISABLE_TIMING);
+      if (rc != CUDA_SUCCESS) {
+        *error = CudaError("cuEventCreate", rc);
+        return;
+      }
+    }
+  }
+  ~BouncePair() {
+    (void)d_.synchronize(stream_);
+    for (int i = 0; i < 2; ++i) {
+      if (block[i] != nullptr) PinnedPool::Get().Give(block[i]);
+      if (done[i] != nullptr) (void)d_.event_destroy(done[i]);
+    }
+  }
+  BouncePair(const BouncePair&) = delete;
+  BouncePair& operator=(const BouncePair&) = delete;
+
+  void* block[2] = {nullptr, nullptr};
+  CUevent done[2] = {nullptr, nullptr};
+
+ private:
+  const Driver& d_;
+  CUstream stream_;
+};
+
+// Pageable host memory for a chunked slot: its own mapping, returned to the
+// system when the call ends, and advised for huge pages (MPI's shared-memory
+// copies run faster through them; mpi_common.cc).
+void* MapPageable(size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return nullptr;
+#if defined(MADV_HUGEPAGE)
+  (void)madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+  return p;
+}
 
 // Device versions of the handlers' buffer ops: queued on the call's stream
 // and waited for, because MPI reads the buffers right after.
@@ -178,6 +239,12 @@ Transport CurrentTransport() {
   return static_cast<Transport>(g_transport.load());
 }
 
+void SetStagingChunkBytes(size_t bytes) {
+  g_staging_chunk.store(std::max<size_t>(bytes, 64));
+}
+
+size_t StagingChunkBytes() { return g_staging_chunk.load(); }
+
 std::string DriverStatus() { return LoadDriver().error; }
 
 ffi::Error Synchronize(CUstream stream) {
@@ -206,7 +273,12 @@ Staging::~Staging() {
   // be recycled.
   if (pending_) (void)Synchronize(stream_);
   for (Slot& slot : slots_) {
-    if (slot.host != nullptr) PinnedPool::Get().Give(slot.host);
+    if (slot.host == nullptr) continue;
+    if (slot.chunked) {
+      munmap(slot.host, slot.bytes);
+    } else {
+      PinnedPool::Get().Give(slot.host);
+    }
   }
 }
 
@@ -221,7 +293,15 @@ Staging::Slot& Staging::SlotFor(void* device, size_t bytes) {
   Slot slot;
   slot.device = device;
   slot.bytes = bytes;
-  if (bytes > 0) {
+  if (bytes > StagingChunkBytes()) {
+    slot.chunked = true;
+    slot.host = MapPageable(bytes);
+    if (slot.host == nullptr) {
+      Fail(ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "distlinalg: cannot map " + std::to_string(bytes) +
+                          " bytes of host memory to stage a CUDA buffer"));
+    }
+  } else if (bytes > 0) {
     ffi::Error error = ffi::Error::Success();
     slot.host = PinnedPool::Get().Take(bytes, &error);
     if (slot.host == nullptr) Fail(std::move(error));
@@ -249,7 +329,10 @@ ffi::AnyBuffer Staging::Host(ffi::AnyBuffer device) {
   if (!slot.filled && slot.host != nullptr) {
     slot.filled = true;
     ffi::Error error = ffi::Error::Success();
-    if (const Driver* d = DriverOrNull(&error)) {
+    if (slot.chunked) {
+      ffi::Error copied = ChunkedToHost(slot);
+      if (copied.failure()) Fail(std::move(copied));
+    } else if (const Driver* d = DriverOrNull(&error)) {
       CUresult rc = d->copy_to_host(slot.host, DevicePtr(slot.device),
                                     slot.bytes, stream_);
       pending_ = true;
@@ -280,6 +363,10 @@ ffi::Error Staging::FinishOutputs() {
   if (d == nullptr) return error;
   for (const Slot& slot : slots_) {
     if (!slot.result || slot.host == nullptr) continue;
+    if (slot.chunked) {
+      DL_CHECK(ChunkedToDevice(slot));
+      continue;
+    }
     CUresult rc = d->copy_to_device(DevicePtr(slot.device), slot.host,
                                     slot.bytes, stream_);
     pending_ = true;
@@ -288,6 +375,64 @@ ffi::Error Staging::FinishOutputs() {
   DL_CHECK(Synchronize(stream_));
   pending_ = false;
   return ffi::Error::Success();
+}
+
+// Chunk k of a slot goes through bounce block k % 2. Before a block takes
+// chunk k, its event says chunk k - 2 is through the DMA engine.
+ffi::Error Staging::ChunkedToHost(const Slot& slot) {
+  ffi::Error error = ffi::Error::Success();
+  const Driver* d = DriverOrNull(&error);
+  if (d == nullptr) return error;
+  const size_t chunk = StagingChunkBytes();
+  BouncePair bounce(*d, stream_, chunk, &error);
+  if (error.failure()) return error;
+  pending_ = true;
+  const size_t chunks = (slot.bytes + chunk - 1) / chunk;
+  const auto length = [&](size_t k) { return std::min(chunk, slot.bytes - k * chunk); };
+  auto* host = static_cast<char*>(slot.host);
+  // Waits for chunk k's copy into its block, then moves it to the host buffer.
+  const auto land = [&](size_t k) -> ffi::Error {
+    CUresult rc = d->event_synchronize(bounce.done[k % 2]);
+    if (rc != CUDA_SUCCESS) return CudaError("cuEventSynchronize", rc);
+    std::memcpy(host + k * chunk, bounce.block[k % 2], length(k));
+    return ffi::Error::Success();
+  };
+  for (size_t k = 0; k < chunks; ++k) {
+    if (k >= 2) DL_CHECK(land(k - 2));
+    CUresult rc = d->copy_to_host(bounce.block[k % 2],
+                                  DevicePtr(slot.device) + k * chunk, length(k), stream_);
+    if (rc != CUDA_SUCCESS) return CudaError("cuMemcpyDtoHAsync", rc);
+    rc = d->event_record(bounce.done[k % 2], stream_);
+    if (rc != CUDA_SUCCESS) return CudaError("cuEventRecord", rc);
+  }
+  for (size_t k = chunks >= 2 ? chunks - 2 : 0; k < chunks; ++k) DL_CHECK(land(k));
+  return ffi::Error::Success();
+}
+
+ffi::Error Staging::ChunkedToDevice(const Slot& slot) {
+  ffi::Error error = ffi::Error::Success();
+  const Driver* d = DriverOrNull(&error);
+  if (d == nullptr) return error;
+  const size_t chunk = StagingChunkBytes();
+  BouncePair bounce(*d, stream_, chunk, &error);
+  if (error.failure()) return error;
+  pending_ = true;
+  const size_t chunks = (slot.bytes + chunk - 1) / chunk;
+  const auto* host = static_cast<const char*>(slot.host);
+  for (size_t k = 0; k < chunks; ++k) {
+    const size_t bytes = std::min(chunk, slot.bytes - k * chunk);
+    if (k >= 2) {  // chunk k - 2 has left this block
+      CUresult rc = d->event_synchronize(bounce.done[k % 2]);
+      if (rc != CUDA_SUCCESS) return CudaError("cuEventSynchronize", rc);
+    }
+    std::memcpy(bounce.block[k % 2], host + k * chunk, bytes);
+    CUresult rc = d->copy_to_device(DevicePtr(slot.device) + k * chunk,
+                                    bounce.block[k % 2], bytes, stream_);
+    if (rc != CUDA_SUCCESS) return CudaError("cuMemcpyHtoDAsync", rc);
+    rc = d->event_record(bounce.done[k % 2], stream_);
+    if (rc != CUDA_SUCCESS) return CudaError("cuEventRecord", rc);
+  }
+  return ffi::Error::Success();  // (the bounce blocks wait for the stream)
 }
 
 }  // namespace distlinalg::cuda

@@ -29,6 +29,14 @@ enum class Transport : int { kHostStaged = 0, kCudaAware = 1 };
 void SetTransport(Transport transport);
 Transport CurrentTransport();
 
+// Host staging moves a buffer larger than the staging chunk (default 64 MiB,
+// DISTLINALG_CUDA_STAGING_CHUNK) through two pinned blocks of that size, in
+// chunks, into pageable host memory released after the call: the pinned
+// memory a call holds stays bounded however large its buffers are. Smaller
+// buffers are staged whole in pinned blocks recycled between calls.
+void SetStagingChunkBytes(size_t bytes);
+size_t StagingChunkBytes();
+
 // Loads the driver library if needed; empty string on success, else why not.
 std::string DriverStatus();
 
@@ -68,8 +76,13 @@ class Staging {
     size_t bytes = 0;
     bool filled = false;  // device-to-host copy issued
     bool result = false;  // copied back after the call
+    bool chunked = false;  // pageable host memory, copied through bounce blocks
   };
   Slot& SlotFor(void* device, size_t bytes);
+  // The copies of a chunked slot: pipelined through two pinned bounce
+  // blocks, a chunk's host-side memcpy overlapping the next chunk's DMA.
+  ffi::Error ChunkedToHost(const Slot& slot);
+  ffi::Error ChunkedToDevice(const Slot& slot);
   const XLA_FFI_Buffer* HostView(const ffi::AnyBuffer& device, void* host);
   void Fail(ffi::Error error);
 

@@ -114,6 +114,11 @@ NB_MODULE(_native, m) {
       },
       nb::arg("cuda_aware"),
       "Device pointers straight to MPI (True) or host staging (False).");
+  m.def("set_cuda_staging_chunk", &dl::cuda::SetStagingChunkBytes,
+        nb::arg("bytes"),
+        "Host staging: buffers larger than this many bytes go through two "
+        "pinned blocks of this size, in chunks.");
+  m.def("cuda_staging_chunk", &dl::cuda::StagingChunkBytes);
   m.def("cuda_transport", [] {
     return dl::cuda::CurrentTransport() == dl::cuda::Transport::kCudaAware
                ? "cuda-aware"

@@ -48,6 +48,7 @@ def environment_report() -> str:
         f"CUDA handlers:  {_cuda.STATE.get('handlers', '?')}",
         f"MPI CUDA-aware: {_cuda.STATE.get('mpi_cuda_aware', '?')}",
         f"GPU transport:  {_cuda.STATE.get('transport', '?')}",
+        f"GPU staging:    {_cuda.STATE.get('staging_chunk', 'n/a')} per chunk (DISTLINALG_CUDA_STAGING_CHUNK)",
         f"GPU device:     {_cuda.STATE.get('device', '?')}",
         f"CPU affinity:   {_cpu.STATE.get('affinity', '?')}",
         f"XLA CPU YNN fusions: {distlinalg.YNN_FUSION}",

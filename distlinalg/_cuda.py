@@ -22,6 +22,12 @@ to GPU ``node_local_rank % gpus_per_node`` (node-local rank from an
 choice), or a device index for this rank. A ``jax_cuda_visible_devices``
 already set by the user is left alone.
 
+Host staging holds a buffer of up to ``DISTLINALG_CUDA_STAGING_CHUNK`` bytes
+(default ``64M``; suffixes K, M, G) in pinned memory, recycled between
+calls; a larger buffer is copied in chunks of that size through two pinned
+blocks into pageable host memory that is released when the call ends, so
+the pinned memory of a call stays bounded (a few chunks) whatever its size.
+
 ``DISTLINALG_LIBCUDA`` names the CUDA driver library (default
 ``libcuda.so.1``).
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import re
 import warnings
 from typing import Any
 
@@ -104,12 +111,29 @@ def configure_transport(native: Any, build_info: dict[str, Any]) -> str:
     else:
         raise ValueError(f"DISTLINALG_CUDA_AWARE must be auto, 1 or 0, not {os.environ['DISTLINALG_CUDA_AWARE']!r}")
     transport = "cuda-aware" if cuda_aware else "host-staged"
+    chunk = staging_chunk_bytes()
     if build_info["cuda"]:
         native.set_cuda_transport(cuda_aware)
+        native.set_cuda_staging_chunk(chunk)
         STATE["transport"] = f"{transport} ({how})"
+        STATE["staging_chunk"] = f"{chunk} bytes"
     else:
         STATE["transport"] = "none (CUDA handlers not built)"
     return transport
+
+
+_SIZE_SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def staging_chunk_bytes() -> int:
+    """DISTLINALG_CUDA_STAGING_CHUNK in bytes (default 64 MiB, at least 1 KiB)."""
+    match = re.fullmatch(r"(\d+)\s*([kmg]?)(?:i?b)?", _env("DISTLINALG_CUDA_STAGING_CHUNK", "64m"))
+    if match is None or int(match[1]) * _SIZE_SUFFIXES[match[2]] < 1024:
+        raise ValueError(
+            "DISTLINALG_CUDA_STAGING_CHUNK must be a size of at least 1K (bytes, or with a K, M or G "
+            f"suffix), not {os.environ['DISTLINALG_CUDA_STAGING_CHUNK']!r}"
+        )
+    return int(match[1]) * _SIZE_SUFFIXES[match[2]]
 
 
 def cuda_plugin_installed() -> bool:

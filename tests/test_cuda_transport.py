@@ -78,6 +78,9 @@ class _RecordingNative:
     def set_cuda_transport(self, cuda_aware):
         self.cuda_aware = cuda_aware
 
+    def set_cuda_staging_chunk(self, nbytes):
+        self.staging_chunk = nbytes
+
 
 @pytest.mark.parametrize(
     "setting, supported, expected",
@@ -108,6 +111,28 @@ def test_forcing_cuda_aware_on_a_library_that_says_no_warns(monkeypatch):
 def test_bad_transport_setting_is_an_error(monkeypatch):
     monkeypatch.setenv("DISTLINALG_CUDA_AWARE", "sometimes")
     with pytest.raises(ValueError, match="DISTLINALG_CUDA_AWARE"):
+        _cuda.configure_transport(_RecordingNative(0), {"cuda": True})
+
+
+@pytest.mark.parametrize("setting, nbytes", [(None, 64 << 20), ("8M", 8 << 20), ("4096", 4096), ("1 GiB", 1 << 30)])
+def test_staging_chunk_setting(monkeypatch, setting, nbytes):
+    saved = dict(_cuda.STATE)
+    if setting is None:
+        monkeypatch.delenv("DISTLINALG_CUDA_STAGING_CHUNK", raising=False)
+    else:
+        monkeypatch.setenv("DISTLINALG_CUDA_STAGING_CHUNK", setting)
+    native = _RecordingNative(0)
+    try:
+        _cuda.configure_transport(native, {"cuda": True})
+        assert native.staging_chunk == nbytes
+    finally:
+        _cuda.STATE.update(saved)
+
+
+@pytest.mark.parametrize("setting", ["100", "1.5M", "lots", "64T"])
+def test_bad_staging_chunk_setting_is_an_error(monkeypatch, setting):
+    monkeypatch.setenv("DISTLINALG_CUDA_STAGING_CHUNK", setting)
+    with pytest.raises(ValueError, match="DISTLINALG_CUDA_STAGING_CHUNK"):
         _cuda.configure_transport(_RecordingNative(0), {"cuda": True})
 
 
@@ -164,9 +189,9 @@ def test_device_selection_leaves_a_started_backend_alone(pretend_cuda_jax, monke
 # ---------------------------------------------------------------------------
 # Emulation: the CUDA handlers registered on the CPU, the stand-in driver.
 def _stub_stats() -> dict[str, int]:
-    stats = (ctypes.c_longlong * 6)()
+    names = ("to_host", "to_device", "on_device", "fills", "syncs", "pinned_allocs", "largest_pinned", "event_syncs")
+    stats = (ctypes.c_longlong * len(names))()
     ctypes.CDLL(os.environ["DISTLINALG_LIBCUDA"]).distlinalg_stub_stats(stats)
-    names = ("to_host", "to_device", "on_device", "fills", "syncs", "pinned_allocs")
     return dict(zip(names, stats))
 
 
@@ -231,3 +256,46 @@ def test_donated_and_loop_carried_buffers(comm, rank, size):
 
     loop = jax.jit(lambda v: jax.lax.fori_loop(0, 3, lambda i, u: dl.comm.allreduce(u) / size, v))
     assert_matches_reference(loop(jnp.full(7, float(rank))), lambda g: np.full(g.shape, (size - 1) / 2), comm)
+
+
+@pytest.fixture
+def small_staging_chunk():
+    """Host staging with 4 KiB chunks for one test (the default is 64 MiB)."""
+    native = _mpi._native
+    saved = native.cuda_staging_chunk()
+    native.set_cuda_staging_chunk(4096)
+    ctypes.CDLL(os.environ["DISTLINALG_LIBCUDA"]).distlinalg_stub_reset_largest_pinned()
+    yield 4096
+    native.set_cuda_staging_chunk(saved)
+
+
+@needs_emulation
+def test_large_buffers_are_staged_in_bounded_chunks(comm, rank, size, small_staging_chunk):
+    """Buffers beyond the staging chunk go through two pinned chunk-sized blocks
+    (pipelined on events) into pageable memory: every value arrives, and no
+    pinned block larger than a chunk is allocated, whatever the buffer size."""
+    chunk = small_staging_chunk
+    n = 3 * chunk // 8 + 5  # float64: three chunks and a partial fourth
+    x = jnp.arange(n, dtype=jnp.float64) + 1000.0 * rank
+    right, left = (rank + 1) % size, (rank - 1) % size
+    every = np.arange(n) + 1000.0 * np.arange(size)[:, None]  # x of every rank
+    programs = {
+        "allreduce": (jax.jit(dl.comm.allreduce), np.broadcast_to(every.sum(0), every.shape)),
+        "allgather": (jax.jit(dl.comm.allgather), np.broadcast_to(every, (size, *every.shape))),
+        "sendrecv": (jax.jit(lambda v: dl.comm.sendrecv(v, v * 0, source=left, dest=right)), np.roll(every, 1, 0)),
+        "bcast": (jax.jit(lambda v: dl.comm.bcast(v, root=size - 1)), np.broadcast_to(every[-1], every.shape)),
+        "in_place_loop": (
+            jax.jit(lambda v: jax.lax.fori_loop(0, 2, lambda i, u: dl.comm.allreduce(u) / size, v)),
+            np.broadcast_to(every.mean(0), every.shape),
+        ),
+    }
+    for name, (f, reference) in programs.items():
+        f(x)  # compile outside the measurement
+        delta = _stub_delta(lambda: f(x))
+        assert_matches_reference(f(x), reference, comm)
+        if _staged():
+            assert delta["to_host"] >= x.nbytes, name
+            assert delta["event_syncs"] >= 2, name  # the chunks were waited for one by one
+        else:
+            assert delta["to_host"] == 0 and delta["event_syncs"] == 0, name
+    assert _stub_stats()["largest_pinned"] <= chunk
