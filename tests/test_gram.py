@@ -60,10 +60,10 @@ GRAM_CASES = [
     ("real", False, 0.1, 0.05, 2),
     pytest.param("real-truncated", True, 0.01, None, None, marks=TWO),
     pytest.param("real-params-complex-output", True, 0.01, None, None, marks=TWO),
-    ("real-params-complex-output", True, 0.0, 0.1, 3),
+    pytest.param("real-params-complex-output", True, 0.0, 0.1, 3, marks=TWO),
     ("complex-params-real-mode", True, 0.02, None, 2),
     pytest.param("holomorphic", True, 0.0, None, None, marks=TWO),
-    ("holomorphic", False, 0.02, 0.1, 2),
+    pytest.param("holomorphic", False, 0.02, 0.1, 2, marks=TWO),
     pytest.param("complex", True, 0.0, None, None, marks=TWO),
     ("complex", True, 0.05, 0.2, 3),
 ]
@@ -126,7 +126,8 @@ def tensor_parallel_rbm(comm):
     return f
 
 
-@pytest.mark.parametrize("center,diag_scale,chunk_size", [(True, None, None), (False, 0.1, 2), (True, 0.2, 3)])
+@pytest.mark.parametrize("center,diag_scale,chunk_size", [pytest.param(True, None, None, marks=TWO), (False, 0.1, 2),
+                                                          pytest.param(True, 0.2, 3, marks=TWO)])
 def test_gram_with_sharded_params(comm, rank, size, center, diag_scale, chunk_size):
     counts = [6] * size
     everything, mine = samples_of(counts, rank, seed=4)
@@ -171,7 +172,7 @@ def test_gram_with_sharded_params(comm, rank, size, center, diag_scale, chunk_si
     np.testing.assert_allclose(np.concatenate(comm.allgather(np.asarray(diagonal))), np.diagonal(S), rtol=1e-11)
 
 
-@pytest.mark.parametrize("mode", ["real", "holomorphic", "complex"])
+@pytest.mark.parametrize("mode", [pytest.param("real", marks=TWO), pytest.param("holomorphic", marks=TWO), "complex"])
 def test_cg_on_gram_matches_dense_solve(comm, rank, size, mode):
     f, dtype, _ = MODELS["real-params-complex-output" if mode == "real" else mode]
     counts = uneven_counts(size)
@@ -195,7 +196,7 @@ def test_cg_on_gram_matches_dense_solve(comm, rank, size, mode):
     np.testing.assert_allclose(np.asarray(ravel_pytree(y)[0]), expected, rtol=1e-8, atol=1e-10)
 
 
-@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("sharded", [pytest.param(False, marks=TWO), True])
 def test_grad_through_cg_on_gram(comm, rank, size, sharded):
     """d/dθ of a replicated loss of the SR update δ = (S(θ) + λ)⁻¹ F(θ)."""
     counts = [5] * size if sharded else uneven_counts(size)  # the sharded model allgathers equal blocks

@@ -174,7 +174,7 @@ def reference_update(f, params, X, e, mode, diag_shift):
 
 
 @pytest.mark.parametrize("model,space", [("real", "parameters"), pytest.param("real", "samples", marks=TWO),
-                                         ("complex", "samples"), pytest.param("holomorphic", "parameters", marks=TWO)])
+                                         pytest.param("complex", "samples", marks=TWO), pytest.param("holomorphic", "parameters", marks=TWO)])
 def test_gradients_wrt_diag_shift_and_residuals(comm, rank, size, model, space):
     """Reverse and forward mode against the dense reference's AD and finite differences."""
     f, dtype, mode = MODELS[model]

@@ -296,7 +296,7 @@ def test_model_operator_argument_is_linearised_once(comm, rank, size):
         assert _count_in_loops(jaxpr, "cosh") == 0
 
 
-@pytest.mark.parametrize("kind", ["gram", "sample_gram"])
+@pytest.mark.parametrize("kind", ["gram", pytest.param("sample_gram", marks=pytest.mark.max_ranks(2))])
 def test_grad_with_respect_to_model_operator(comm, rank, size, kind):
     """jax.grad of a replicated loss of cg's solution with respect to the operator
     (passed to a jitted function) equals the gradient with respect to params,

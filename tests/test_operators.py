@@ -11,7 +11,6 @@ import scipy.sparse as sp
 
 import distlinalg as dl
 from distlinalg import operators as ops
-from conftest import gather_global
 
 
 def poisson(n):
@@ -272,7 +271,7 @@ def test_sparse_rows_bad_input(comm, rank, size):
 
 # ---------------------------------------------------------------------------
 # Dense row / column blocks
-@pytest.mark.parametrize("square", [True, False])
+@pytest.mark.parametrize("square", [True, pytest.param(False, marks=TWO)])
 def test_dense_rows_and_columns(comm, rank, size, square):
     m, n = (7, 7) if square else (8, 5)
     A = np.random.default_rng(8).standard_normal((m, n))

@@ -103,7 +103,8 @@ def test_local_energy_matches_dense(name):
 
 
 # -- the SR solve against a dense solve ---------------------------------------------------
-@pytest.mark.parametrize("mode", ["real", "holomorphic", "complex"])
+@pytest.mark.parametrize("mode", [pytest.param("real", marks=pytest.mark.max_ranks(2)),
+                                  pytest.param("holomorphic", marks=pytest.mark.max_ranks(2)), "complex"])
 def test_sr_solve_matches_dense(comm, rank, size, mode):
     L, n = 6, 24
     dtype = jnp.float64 if mode == "real" else jnp.complex128

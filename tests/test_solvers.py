@@ -230,7 +230,7 @@ def test_stopping_reasons(comm):
         assert int(info.reason) == Reason.CONVERGED_ATOL
 
 
-@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+@pytest.mark.parametrize("layout", [pytest.param("replicated", marks=pytest.mark.max_ranks(2)), "sharded"])
 def test_minres_iterates_at_every_budget(comm, rank, size, layout, capfd):
     """MINRES runs two steps per loop body (minres.py); a budget that ends
     after the first of them, or a solve that converges there, must give
