@@ -117,14 +117,16 @@ bool NeedsHost(const T&) {
 }
 
 // The CUDA handler of a CPU implementation `Impl(args...)`: takes XLA's
-// stream first, then the implementation's arguments.
-template <typename F, F* Impl>
+// stream first, then the implementation's arguments. `kAlwaysStaged`: the
+// implementation works on host memory of its own (the non-blocking
+// operations' request buffers), so its buffers are staged in every transport.
+template <typename F, F* Impl, bool kAlwaysStaged = false>
 struct OnStream;
 
-template <typename... Args, ffi::Error (*Impl)(Args...)>
-struct OnStream<ffi::Error(Args...), Impl> {
+template <typename... Args, ffi::Error (*Impl)(Args...), bool kAlwaysStaged>
+struct OnStream<ffi::Error(Args...), Impl, kAlwaysStaged> {
   static ffi::Error Call(CUstream stream, Args... args) {
-    const bool staged = CurrentTransport() == Transport::kHostStaged ||
+    const bool staged = kAlwaysStaged || CurrentTransport() == Transport::kHostStaged ||
                         (NeedsHost(args) || ...);
     if (!staged) {
       DL_CHECK(Synchronize(stream));
@@ -153,20 +155,25 @@ struct OnStream<ffi::Error(Args...), Impl> {
 // Defines `symbol` (the CPU handler), `symbol##Cuda` (XLA's CUDA stream
 // first) and `symbol##CudaEmulated` (the CUDA code path registered on the
 // CPU, for tests) from one signature macro `SIGNATURE(binding)`.
-#define DL_DEFINE_HANDLERS(symbol, impl, SIGNATURE)                           \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl, SIGNATURE(ffi::Ffi::Bind()));   \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                              \
-      symbol##Cuda,                                                           \
-      (distlinalg::cuda::OnStream<decltype(impl), &impl>::Call),              \
-      SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<CUstream>>()));      \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                              \
-      symbol##CudaEmulated,                                                   \
-      (distlinalg::cuda::OnStream<decltype(impl), &impl>::CallWithoutStream), \
+#define DL_DEFINE_HANDLERS_WITH(symbol, impl, SIGNATURE, staged)                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl, SIGNATURE(ffi::Ffi::Bind()));           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                      \
+      symbol##Cuda,                                                                   \
+      (distlinalg::cuda::OnStream<decltype(impl), &impl, staged>::Call),              \
+      SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<CUstream>>()));              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                      \
+      symbol##CudaEmulated,                                                           \
+      (distlinalg::cuda::OnStream<decltype(impl), &impl, staged>::CallWithoutStream), \
       SIGNATURE(ffi::Ffi::Bind()))
+#define DL_DEFINE_HANDLERS(symbol, impl, SIGNATURE) \
+  DL_DEFINE_HANDLERS_WITH(symbol, impl, SIGNATURE, false)
+#define DL_DEFINE_STAGED_HANDLERS(symbol, impl, SIGNATURE) \
+  DL_DEFINE_HANDLERS_WITH(symbol, impl, SIGNATURE, true)
 
 #else  // no CUDA: the CPU handler only
 
 #define DL_DEFINE_HANDLERS(symbol, impl, SIGNATURE) \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl, SIGNATURE(ffi::Ffi::Bind()))
+#define DL_DEFINE_STAGED_HANDLERS DL_DEFINE_HANDLERS
 
 #endif

@@ -29,8 +29,18 @@
   X("distlinalg_send", DlSend)                    \
   X("distlinalg_recv", DlRecv)                    \
   X("distlinalg_sendrecv", DlSendrecv)            \
-  X("distlinalg_sendrecv_status", DlSendrecvStatus)
+  X("distlinalg_sendrecv_status", DlSendrecvStatus) \
+  X("distlinalg_iallreduce", DlIallreduce)          \
+  X("distlinalg_iallgather", DlIallgather)          \
+  X("distlinalg_ireduce_scatter", DlIreduceScatter) \
+  X("distlinalg_wait", DlWait)
 
 #define DL_DECLARE_ENTRY(name, symbol) DL_DECLARE(symbol);
 DL_FOR_EACH_HANDLER(DL_DECLARE_ENTRY)
 #undef DL_DECLARE_ENTRY
+
+namespace distlinalg {
+// Completes the non-blocking request `key` (if pending) and drops its result:
+// for requests never waited for, at interpreter exit. "" or the error.
+std::string WaitAndDiscard(int64_t key);
+}  // namespace distlinalg

@@ -95,6 +95,9 @@ NB_MODULE(_native, m) {
       "'cuda' (XLA's CUDA stream) and 'cuda_emulated' (the CUDA code path "
       "registered on the CPU, for tests with a stand-in driver).");
 
+  m.def("wait_discard", &dl::WaitAndDiscard, nb::arg("key"),
+        "Completes a pending non-blocking request and drops its result ('' or the error).");
+
   m.def("mpi_cuda_support", [] {
     dl::MpiCudaSupport s = dl::QueryMpiCudaSupport();
     nb::dict d;

@@ -170,6 +170,7 @@ def register_lowering(
     *,
     aliases: dict[int, int] | None = None,
     token_only_result: bool = False,
+    on_lower: Callable[..., None] | None = None,
 ) -> None:
     """Lowering of `prim` to the FFI handler `target`, threading the token.
 
@@ -181,6 +182,9 @@ def register_lowering(
       aliases: operand index -> result index (indices of the array operands
         and results, not counting the token) that may share a buffer.
       token_only_result: the handler returns only the token (send, barrier).
+      on_lower: ``(ctx, **params)``, called when a traced program lowers the
+        primitive (not for eager calls): a check that needs the whole traced
+        program (the non-blocking operations' start/wait pairing).
     """
     alias_map = None
     if aliases:
@@ -197,6 +201,8 @@ def register_lowering(
         return rule(sub, token, *operands, site=np.int64(site), **attrs(**params))
 
     def lowering(ctx, *operands, **params):
+        if on_lower is not None:
+            on_lower(ctx, **params)
         avals_out = [] if token_only_result else list(ctx.avals_out)
         token_out, *results = emit(
             ctx, _compat.token_in(ctx, mpi_effect), operands, params, avals_out, next(_call_sites)

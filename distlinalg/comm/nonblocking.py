@@ -1,0 +1,387 @@
+"""Non-blocking collectives: iallreduce and iallgather, and wait.
+
+``request = iallreduce(x)`` starts the reduction and returns at once;
+``wait(request)`` returns its result. What runs between the two (the
+matvec of a pipelined solver, the interior of a stencil) runs while the
+message is under way, as far as the MPI library progresses it (see
+"Progress" below). Start and wait are two ordered primitives: the program
+order is the communication order on every rank, under jit, grad, vmap,
+scan and while_loop, with no dependency wiring.
+
+Requests and their checks
+-------------------------
+A request is a pytree holding one zero-byte *marker* per leaf (an array of
+shape ``(*result_shape, 0)``: it carries the result's shape and the data
+dependence from start to wait, and no data). The buffers MPI works on
+belong to the request, in the extension (csrc/nonblocking.cc): XLA may reuse
+its own buffers as soon as a start returns.
+
+* Inside a traced function (jit, grad, vmap, a loop body), a request must be
+  waited for in the same traced function it was started in. A start whose
+  wait was not traced is an error when the program is lowered (before it
+  runs, on every rank), naming the operation.
+* Eagerly, a request lives until ``wait``. Requests still pending when the
+  interpreter exits are waited for then (with a ``RuntimeWarning`` naming
+  them), before MPI is finalised, so no message is left half-way.
+* Waiting for a request twice is an error (at run time, on every rank that
+  does it).
+
+AD (docs/ad.md, the adjoint of the whole SPMD program)
+------------------------------------------------------
+Start and wait are linear in their array operand (for ``op="sum"``). The
+tangent of a start is a second start of the same operation on the tangent,
+waited for by the tangent of the wait; the transpose of a wait *starts* the
+adjoint operation on the cotangent, and the transpose of the start waits for
+it, so in reverse mode the adjoint message travels while the reverse pass
+computes what lay between start and wait:
+
+  iallreduce(sum)   ẏ = AR(ẋ);  x̄ = AR(ȳ)           (started at the wait's
+  iallgather        ẏ = AG(ẋ);  x̄ = RS_sum(ȳ)        transpose, waited at
+  (ireduce_scatter  the adjoint of iallgather; x̄ = AG(ȳ))  the start's)
+
+Forward and reverse mode, every order. iallreduce with op max/min/prod is
+not differentiable (its derivative needs the result, i.e. a blocking step):
+use ``allreduce`` there; differentiating it raises at trace time.
+vmap: one message carries the whole batch (as for the blocking operations).
+
+Progress
+--------
+MPI progresses a non-blocking collective only inside MPI calls unless the
+library runs a progress thread (MPICH: ``MPIR_CVAR_ASYNC_PROGRESS=1``,
+which needs ``MPI_THREAD_MULTIPLE``). Without one, the data moves at the
+wait; the result is the same either way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import traceback
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _compat
+from .._mpi import Communicator, ReduceOp, check_dtype, resolve_comm, resolve_op
+from . import _core
+from ._core import ad, batching
+
+# ---------------------------------------------------------------------------
+# Request keys. A key names one start/wait pair of a program; the extension
+# keeps the request under its number between the two calls. Keys of traced
+# calls are fresh tuples; derivative pairs extend them (("t",) the tangent
+# pair, ("T",) the adjoint pair), so a rule finds its partner's key without
+# passing anything at run time. Eager calls take keys from a free list, so
+# their compiled programs are reused.
+_fresh_keys = itertools.count(1)
+_key_numbers: dict[tuple, int] = {}
+_waits_traced: set[tuple] = set()
+_free_eager_keys: list[tuple] = []
+_eager_pending: dict[tuple, str] = {}  # key -> where it was started
+
+
+def _key_number(key: tuple) -> np.int64:
+    return np.int64(_key_numbers.setdefault(key, len(_key_numbers) + 1))
+
+
+def _tangent_key(key: tuple) -> tuple:
+    return (*key, "t")
+
+
+def _adjoint_key(key: tuple) -> tuple:
+    return (*key, "T")
+
+
+def _check_waited(ctx: Any, *, key: tuple, **params: Any) -> None:
+    """A traced start lowers only if its wait was traced too (same program)."""
+    if key not in _waits_traced:
+        raise ValueError(
+            f"distlinalg: a non-blocking operation ({_START_NAMES.get(key, 'start')}) is started and never "
+            "waited for in the same traced function: call distlinalg.comm.wait(request) before the "
+            "function returns (a request cannot be returned from jit or carried out of a loop body)"
+        )
+
+
+_START_NAMES: dict[tuple, str] = {}
+
+
+# ---------------------------------------------------------------------------
+# The start primitives: x -> a zero-byte marker shaped (*result_shape, 0).
+def _new_start(name: str, result_shape, attrs) -> Any:
+    prim = _core.new_primitive(name)
+    _core.def_abstract_eval(
+        prim, lambda x, *, comm, key, **params: _core.shaped((*result_shape(x.shape, comm), 0), x.dtype)
+    )
+    _core.register_lowering(
+        prim,
+        f"distlinalg_{name}",
+        lambda *, comm, key, **params: {"comm": _core.comm_attr(comm), **attrs(**params), "request": _key_number(key)},
+        on_lower=_check_waited,
+    )
+    return prim
+
+
+iallreduce_p = _new_start("iallreduce", lambda shape, comm: shape, lambda *, op: {"op": np.int32(op)})
+iallgather_p = _new_start("iallgather", lambda shape, comm: (comm.size, *shape), lambda: {})
+ireduce_scatter_p = _new_start("ireduce_scatter", lambda shape, comm: shape[1:], lambda *, op: {"op": np.int32(op)})
+
+_STARTS = {"iallreduce": iallreduce_p, "iallgather": iallgather_p, "ireduce_scatter": ireduce_scatter_p}
+# The operation whose start transposes the wait of each (the adjoint map).
+_ADJOINT = {"iallreduce": "iallreduce", "iallgather": "ireduce_scatter", "ireduce_scatter": "iallgather"}
+
+
+def _sum_params(start: str) -> dict[str, Any]:
+    return {} if start == "iallgather" else {"op": ReduceOp.SUM}
+
+
+def _bind_start(start: str, x: Any, *, comm: Communicator, key: tuple, **params: Any) -> Any:
+    _START_NAMES.setdefault(key, start)
+    return _core.bind(_STARTS[start], x, comm=comm, key=key, **params)
+
+
+# ---------------------------------------------------------------------------
+# wait: marker -> the result of the start it completes.
+wait_p = _core.new_primitive("wait")
+_core.def_abstract_eval(wait_p, lambda marker, *, comm, key, start: _core.shaped(marker.shape[:-1], marker.dtype))
+_core.register_lowering(wait_p, "distlinalg_wait", lambda *, comm, key, start: {"request": _key_number(key)})
+
+
+def _bind_wait(marker: Any, *, comm: Communicator, key: tuple, start: str) -> Any:
+    if not _compat.at_top_level():
+        _waits_traced.add(key)
+    return _core.bind(wait_p, marker, comm=comm, key=key, start=start)
+
+
+# --- AD ---------------------------------------------------------------------
+def _start_jvp(start: str):
+    def jvp(primals, tangents, *, comm, key, **params):
+        (x,), (t,) = primals, tangents
+        if params.get("op", ReduceOp.SUM) != ReduceOp.SUM:
+            raise NotImplementedError(
+                f"distlinalg.{start} with op={ReduceOp(params['op']).name.lower()} is not differentiable "
+                "(its derivative needs the result); use the blocking distlinalg.comm.allreduce"
+            )
+        marker = _bind_start(start, x, comm=comm, key=key, **params)
+        marker_t = _bind_start(start, _core.instantiate(t), comm=comm, key=_tangent_key(key), **params)
+        return marker, marker_t
+
+    return jvp
+
+
+def _start_transpose(start: str):
+    def transpose(ct, x, *, comm, key, **params):
+        # The wait's transpose started the adjoint operation under the
+        # adjoint key; its marker arrives here as the cotangent.
+        adjoint = _ADJOINT[start]
+        # (Markers hold no data: the adjoint's is reshaped to x's shape.)
+        marker = jnp.reshape(_core.instantiate(ct), (*x.aval.shape, 0))
+        return (_bind_wait(marker, comm=comm, key=_adjoint_key(key), start=adjoint),)
+
+    return transpose
+
+
+def _wait_jvp(primals, tangents, *, comm, key, start):
+    (marker,), (marker_t,) = primals, tangents
+    y = _bind_wait(marker, comm=comm, key=key, start=start)
+    y_t = _bind_wait(_core.instantiate(marker_t), comm=comm, key=_tangent_key(key), start=start)
+    return y, y_t
+
+
+def _wait_transpose(ct, marker, *, comm, key, start):
+    adjoint = _ADJOINT[start]
+    ct = _core.instantiate(ct)  # every rank posts the adjoint message, zero or not
+    adjoint_marker = _bind_start(adjoint, ct, comm=comm, key=_adjoint_key(key), **_sum_params(adjoint))
+    # The cotangent of this wait's marker: no data, the marker's shape.
+    return (jnp.reshape(adjoint_marker, marker.aval.shape),)
+
+
+# --- vmap -------------------------------------------------------------------
+def _start_batch(start: str):
+    def batch(args, dims, *, comm, key, **params):
+        (x,), (d,) = args, dims
+        prim = _STARTS[start]
+        if start == "ireduce_scatter":
+            # (size, B, *s): the batch behind the rank axis; the result is (B, *s).
+            return prim.bind(jnp.moveaxis(x, d, 1), comm=comm, key=key, **params), 0
+        marker = prim.bind(jnp.moveaxis(x, d, 0), comm=comm, key=key, **params)
+        # iallgather: every rank's (B, *s) batch is one row of (size, B, *s).
+        return marker, (1 if start == "iallgather" else 0)
+
+    return batch
+
+
+def _wait_batch(args, dims, *, comm, key, start):
+    (marker,), (d,) = args, dims
+    if d == marker.ndim - 1:  # the zero-size axis stays last
+        marker, d = jnp.moveaxis(marker, d, 0), 0
+    return wait_p.bind(marker, comm=comm, key=key, start=start), d
+
+
+for _name, _prim in _STARTS.items():
+    ad.primitive_jvps[_prim] = _start_jvp(_name)
+    ad.primitive_transposes[_prim] = _start_transpose(_name)
+    batching.primitive_batchers[_prim] = _start_batch(_name)
+ad.primitive_jvps[wait_p] = _wait_jvp
+ad.primitive_transposes[wait_p] = _wait_transpose
+batching.primitive_batchers[wait_p] = _wait_batch
+
+
+# ---------------------------------------------------------------------------
+@jax.tree_util.register_pytree_node_class
+class Request:
+    """A non-blocking operation under way; pass it to :func:`wait`.
+
+    A pytree whose leaves are zero-byte markers (one per leaf of the
+    operand), so it passes through ``jax.vmap`` and loop bodies like any
+    value; it holds no data of its own.
+    """
+
+    def __init__(self, markers: tuple, start: str, keys: tuple, treedef: Any, comm: Communicator):
+        self.markers, self.start, self.keys, self.treedef, self.comm = markers, start, keys, treedef, comm
+
+    def tree_flatten(self):
+        return self.markers, (self.start, self.keys, self.treedef, self.comm)
+
+    @classmethod
+    def tree_unflatten(cls, aux, markers):
+        return cls(tuple(markers), *aux)
+
+    def __repr__(self) -> str:
+        return f"Request({self.start}, {len(self.markers)} leaves)"
+
+
+def _new_keys(count: int) -> tuple:
+    if not _compat.at_top_level():
+        return tuple(("traced", next(_fresh_keys)) for _ in range(count))
+    keys = []
+    for _ in range(count):
+        keys.append(_free_eager_keys.pop() if _free_eager_keys else ("eager", next(_fresh_keys)))
+    return tuple(keys)
+
+
+def _start_all(start: str, x: Any, comm: Communicator, **params: Any) -> Request:
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    leaves = [_core.as_array(leaf) for leaf in leaves]
+    for leaf in leaves:  # every leaf checked before anything is posted
+        check_dtype(leaf.dtype, start, params.get("op"))
+    keys = _new_keys(len(leaves))
+    markers = tuple(_bind_start(start, leaf, comm=comm, key=k, **params) for leaf, k in zip(leaves, keys))
+    if _compat.at_top_level():
+        where = "".join(traceback.format_list(traceback.extract_stack(limit=4)[:-2])).strip()
+        for k in keys:
+            _eager_pending[k] = f"{start} started at {where}"
+    return Request(markers, start, keys, treedef, comm)
+
+
+def iallreduce(x: Any, op: Any = "sum", *, comm: Any = None) -> Request:
+    """Start the reduction of `x` over all ranks; :func:`wait` returns it.
+
+    Args:
+      x: array or pytree of arrays, the same shapes and dtypes on every rank.
+      op: "sum" (default), "prod", "max" or "min" (or an MPI.Op of those).
+      comm: communicator (default distlinalg's).
+
+    Returns:
+      A :class:`Request`; ``wait(request)`` is ``allreduce(x, op)``: the
+      same shapes, identical on every rank.
+
+    AD: for op="sum", forward and reverse mode (the adjoint is an
+    iallreduce of the cotangent, started where the wait is transposed and
+    waited for where the start is). Other ops are not differentiable.
+    vmap: one message for the batch. Every rank must start and wait in the
+    same order as its peers (as for every collective).
+
+    Example::
+
+        request = dl.comm.iallreduce(jnp.vdot(r, r))   # starts the reduction
+        w = A @ p                                      # runs meanwhile
+        rr = dl.comm.wait(request)                     # Σ_ranks r·r
+    """
+    comm = resolve_comm(comm)
+    return _start_all("iallreduce", x, comm, op=resolve_op(op))
+
+
+def iallgather(x: Any, *, comm: Any = None) -> Request:
+    """Start gathering every rank's `x`; :func:`wait` returns the stack.
+
+    Args:
+      x: array or pytree of arrays of shape s, the same on every rank.
+      comm: communicator (default distlinalg's).
+
+    Returns:
+      A :class:`Request`; ``wait(request)`` is ``allgather(x)``: shape
+      (size, *s), row r from rank r, identical on every rank.
+
+    AD: forward and reverse mode (the adjoint is a sum reduce-scatter of
+    the cotangent, started where the wait is transposed). vmap: the batch
+    lands behind the rank axis, as for ``allgather``.
+
+    Example::
+
+        request = dl.comm.iallgather(local_rows)
+        interior = compute_interior()
+        every_rank_rows = dl.comm.wait(request)        # (size, *local_rows.shape)
+    """
+    comm = resolve_comm(comm)
+    return _start_all("iallgather", x, comm)
+
+
+def wait(request: Request) -> Any:
+    """The result of a non-blocking operation, once it is complete.
+
+    Args:
+      request: what :func:`iallreduce` or :func:`iallgather` returned.
+
+    Returns:
+      The operation's result (a pytree shaped like its operand's tree).
+
+    Waiting blocks until this rank's part of the operation is done. Inside a
+    traced function, wait in the same function that started the request.
+    Waiting twice for one request is an error.
+    """
+    if not isinstance(request, Request):
+        raise TypeError(f"distlinalg.comm.wait: expected a Request (from iallreduce/iallgather), got {type(request).__name__}")
+    results = [
+        _bind_wait(marker, comm=request.comm, key=key, start=request.start)
+        for marker, key in zip(request.markers, request.keys)
+    ]
+    for key in request.keys:
+        if _eager_pending.pop(key, None) is not None:
+            _free_eager_keys.append(key)
+    return jax.tree_util.tree_unflatten(request.treedef, results)
+
+
+def _wait_for_pending_at_exit() -> None:
+    """Eager requests never waited for: completed before MPI is finalised."""
+    if not _eager_pending:
+        return
+    warnings.warn(
+        "distlinalg: waiting at exit for non-blocking operations that were never waited for:\n"
+        + "\n".join(_eager_pending.values()),
+        RuntimeWarning,
+        stacklevel=1,
+    )
+    for key, what in list(_eager_pending.items()):
+        start = what.split(" ", 1)[0]
+        # The marker's shape is not known here; the extension checks only the
+        # byte count of the result, which a zero-byte wait skips.
+        try:
+            _native_wait_discard(key)
+        except Exception as error:  # noqa: BLE001 (exit path: report, do not raise)
+            warnings.warn(f"distlinalg: {start}: {error}", RuntimeWarning, stacklevel=1)
+    _eager_pending.clear()
+
+
+def _native_wait_discard(key: tuple) -> None:
+    from .. import _mpi
+
+    _mpi._native.wait_discard(int(_key_number(key)))
+
+
+atexit.register(_wait_for_pending_at_exit)
+
+
+__all__ = ["Request", "iallgather", "iallreduce", "wait", "iallreduce_p", "iallgather_p", "wait_p"]
