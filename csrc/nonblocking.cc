@@ -58,6 +58,31 @@ ffi::Error Unsupported(const char* op, ffi::DataType dtype) {
                         DtypeName(dtype));
 }
 
+ffi::Error BadOp(const char* name, int32_t op, ffi::DataType dtype) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    std::string("distlinalg: ") + name + " with op " +
+                        OpName(static_cast<ReduceOp>(op)) + " is not defined for dtype " +
+                        DtypeName(dtype));
+}
+
+// A request of operation `op` holding a copy of x (its send buffer) and room
+// for `recv_bytes` of result. `wait_name` must be a literal, as `op`.
+ffi::Error NewPending(const char* op, const char* wait_name, MPI_Comm comm,
+                      const ffi::AnyBuffer& x, size_t recv_bytes,
+                      std::unique_ptr<PendingRequest>* out) {
+  auto pending = std::make_unique<PendingRequest>();
+  pending->op = op;
+  pending->wait_name = wait_name;
+  pending->comm = comm;
+  const size_t bytes = x.size_bytes();
+  pending->send.reset(new char[bytes > 0 ? bytes : 1]);
+  pending->recv.reset(new char[recv_bytes > 0 ? recv_bytes : 1]);
+  pending->recv_bytes = recv_bytes;
+  DL_CHECK(CopyBytes(pending->send.get(), x.untyped_data(), bytes));
+  *out = std::move(pending);
+  return ffi::Error::Success();
+}
+
 int CommSize(MPI_Comm comm) {
   int size = 0;
   MPI_Comm_size(comm, &size);
@@ -82,21 +107,9 @@ ffi::Error IallreduceImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   DL_CHECKED_CALL(record, Signature("iallreduce").Buffer(x).Op(op),
                   CheckCollective(dl_sig_, comm));
   MPI_Op mop = MpiOp(static_cast<ReduceOp>(op), x.element_type());
-  if (mop == MPI_OP_NULL) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      std::string("distlinalg: iallreduce with op ") +
-                          OpName(static_cast<ReduceOp>(op)) + " is not defined for dtype " +
-                          DtypeName(x.element_type()));
-  }
-  auto pending = std::make_unique<PendingRequest>();
-  pending->op = "iallreduce";
-  pending->wait_name = "wait(iallreduce)";
-  pending->comm = comm;
-  const size_t bytes = x.size_bytes();
-  pending->send.reset(new char[bytes > 0 ? bytes : 1]);
-  pending->recv.reset(new char[bytes > 0 ? bytes : 1]);
-  pending->recv_bytes = bytes;
-  DL_CHECK(CopyBytes(pending->send.get(), x.untyped_data(), bytes));
+  if (mop == MPI_OP_NULL) return BadOp("iallreduce", op, x.element_type());
+  std::unique_ptr<PendingRequest> pending;
+  DL_CHECK(NewPending("iallreduce", "wait(iallreduce)", comm, x, x.size_bytes(), &pending));
   const int64_t cap = GlobalSettings().max_count;
   for (int64_t offset = 0; offset < n || (n == 0 && offset == 0); offset += cap) {
     const int count = static_cast<int>(std::min<int64_t>(cap, n - offset));
@@ -123,15 +136,9 @@ ffi::Error IallgatherImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   const int64_t n = x.element_count();
   CallRecord record("iallgather", comm, x.element_type(), n);
   DL_CHECKED_CALL(record, Signature("iallgather").Buffer(x), CheckCollective(dl_sig_, comm));
-  auto pending = std::make_unique<PendingRequest>();
-  pending->op = "iallgather";
-  pending->wait_name = "wait(iallgather)";
-  pending->comm = comm;
-  const size_t bytes = x.size_bytes();
-  pending->recv_bytes = bytes * static_cast<size_t>(CommSize(comm));
-  pending->send.reset(new char[bytes > 0 ? bytes : 1]);
-  pending->recv.reset(new char[pending->recv_bytes > 0 ? pending->recv_bytes : 1]);
-  DL_CHECK(CopyBytes(pending->send.get(), x.untyped_data(), bytes));
+  std::unique_ptr<PendingRequest> pending;
+  DL_CHECK(NewPending("iallgather", "wait(iallgather)", comm, x,
+                      x.size_bytes() * static_cast<size_t>(CommSize(comm)), &pending));
   // A block of more elements than an int counts is one element of a
   // contiguous type (freed here: MPI keeps it alive while the call runs).
   BlockType block;
@@ -161,21 +168,10 @@ ffi::Error IreduceScatterImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Tok
   DL_CHECKED_CALL(record, Signature("ireduce_scatter").Buffer(x).Op(op),
                   CheckCollective(dl_sig_, comm));
   MPI_Op mop = MpiOp(static_cast<ReduceOp>(op), x.element_type());
-  if (mop == MPI_OP_NULL) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      std::string("distlinalg: ireduce_scatter with op ") +
-                          OpName(static_cast<ReduceOp>(op)) + " is not defined for dtype " +
-                          DtypeName(x.element_type()));
-  }
-  auto pending = std::make_unique<PendingRequest>();
-  pending->op = "ireduce_scatter";
-  pending->wait_name = "wait(ireduce_scatter)";
-  pending->comm = comm;
-  const size_t bytes = x.size_bytes();
-  pending->recv_bytes = bytes / size;
-  pending->send.reset(new char[bytes > 0 ? bytes : 1]);
-  pending->recv.reset(new char[pending->recv_bytes > 0 ? pending->recv_bytes : 1]);
-  DL_CHECK(CopyBytes(pending->send.get(), x.untyped_data(), bytes));
+  if (mop == MPI_OP_NULL) return BadOp("ireduce_scatter", op, x.element_type());
+  std::unique_ptr<PendingRequest> pending;
+  DL_CHECK(NewPending("ireduce_scatter", "wait(ireduce_scatter)", comm, x,
+                      x.size_bytes() / size, &pending));
   const int64_t cap = GlobalSettings().max_count;
   if (n <= cap) {
     pending->requests.push_back(MPI_REQUEST_NULL);
