@@ -5,7 +5,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <thread>
 #include <unordered_map>
 
@@ -60,7 +59,7 @@ int64_t Fnv(const int64_t* words, int n) {
 
 std::string Describe(const int64_t* w) {
   const int64_t code = w[kOpCode];
-  std::ostringstream s;
+  Text s;
   if (code == OpCode("exit")) {
     return "the end of its program (no further distlinalg calls)";
   }
@@ -197,14 +196,14 @@ std::string MismatchMessage(const char* op, const std::vector<int64_t>& all,
     for (int s = 0; s < size; ++s) votes += hashes[s] == hashes[r];
     if (votes > best) best = votes, reference = r;
   }
-  std::ostringstream differing;
+  Text differing;
   int ndiff = 0;
   for (int r = 0; r < size; ++r) {
     if (hashes[r] != hashes[reference]) {
       differing << (ndiff++ ? ", " : "") << r;
     }
   }
-  std::ostringstream msg;
+  Text msg;
   msg << "distlinalg: mismatched communication across ranks, detected before "
       << op << " ran (rank" << (ndiff > 1 ? "s " : " ") << differing.str()
       << " differ" << (ndiff > 1 ? "" : "s") << " from the others):";
@@ -502,7 +501,7 @@ ffi::Error CheckPair(const Signature& sig, MPI_Comm comm, int source, int dest,
   if (!stuck.empty()) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, stuck);
   }
-  std::ostringstream msg;
+  Text msg;
   bool bad = false;
   // A message may be shorter than the receive buffer (its tail keeps the
   // template), never longer; dtypes and tags must match.
@@ -606,7 +605,7 @@ bool IsPointToPoint(int64_t opcode) {
 }
 
 std::string DescribeState(const int64_t* reply, int world_rank) {
-  std::ostringstream s;
+  Text s;
   const auto phase = static_cast<Phase>(reply[kPhase]);
   if (reply[kProbeId] < 0) return "did not answer";
   if (phase == Phase::kIdle) {
@@ -695,7 +694,7 @@ std::string ProbeOtherRanks(const Signature& mine, int64_t comm_id, int peer) {
     if (done) delete[] replies;
     return "";
   }
-  std::ostringstream msg;
+  Text msg;
   msg << "distlinalg: mismatched communication across ranks: this rank (" << me
       << ") waits to check " << Describe(mine.words())
       << ", which rank" << (blocking.size() > 1 ? "s " : " ");

@@ -12,6 +12,7 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -59,6 +60,40 @@ std::mutex& MpiMutex();
 
 // Holds the MPI lock for the duration of a handler when MPI runs below
 // THREAD_MULTIPLE (XLA may call handlers from several worker threads).
+// Error and diagnostic messages are built with Text, not std::ostringstream.
+// iostreams format numbers through the C++ locale's facets, and in a process
+// that loads several C++ runtimes' worth of code (JAX's CUDA plugin, PyTorch,
+// ...) that machinery is not ours to rely on: on an H100 node with jaxlib
+// 0.11's CUDA plugin, `ostringstream << long` in a handler's error path
+// segfaulted. Text appends with std::to_string / snprintf alone.
+class Text {
+ public:
+  Text& operator<<(std::string_view s) {
+    text_.append(s.data(), s.size());
+    return *this;
+  }
+  Text& operator<<(const char* s) { return *this << std::string_view(s); }
+  Text& operator<<(const std::string& s) { return *this << std::string_view(s); }
+  Text& operator<<(char c) {
+    text_.push_back(c);
+    return *this;
+  }
+  template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+  Text& operator<<(T value) {
+    text_ += std::to_string(value);
+    return *this;
+  }
+  Text& operator<<(double value) {
+    char buffer[32];
+    std::snprintf(buffer, sizeof buffer, "%g", value);
+    return *this << static_cast<const char*>(buffer);
+  }
+  const std::string& str() const { return text_; }
+
+ private:
+  std::string text_;
+};
+
 class MpiLock {
  public:
   MpiLock() : lock_(MpiMutex(), std::defer_lock) {

@@ -5,7 +5,6 @@
 #include <deque>
 #include <vector>
 #include <cstdint>
-#include <sstream>
 #include <string>
 
 #include "checks.h"
@@ -266,7 +265,7 @@ ffi::Error CheckWildcardPair(MPI_Comm comm, int* source, int dest, int sendtag,
                                             kExpectTag, comm, &reply));
   DL_MPI_CHECK("signature check", MPI_Wait(&reply, MPI_STATUS_IGNORE));
   DL_MPI_CHECK("signature check", MPI_Waitall(2, requests + 1, MPI_STATUSES_IGNORE));
-  std::ostringstream msg;
+  Text msg;
   if (receives && (from_source[0] != expect[0] || from_source[1] > expect[1] ||
                    from_source[2] != expect[2])) {
     msg << "\n  rank " << rank << " expects " << expect[1] << " elements of "

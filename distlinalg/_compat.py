@@ -14,6 +14,7 @@ from jax.interpreters import ad, batching, mlir  # semi-public modules
 
 from jax._src import effects as _effects  # private
 from jax._src import core as _core  # private
+from jax._src import dispatch as _dispatch  # private
 from jax._src import dtypes as _dtypes  # private
 from jax._src.lax import lax as _lax_internal  # private
 from jax._src.lib.mlir.dialects import hlo as _hlo  # private
@@ -72,6 +73,51 @@ def register_ordered_effect(effect_type: type) -> None:
     _effects.custom_derivatives_allowed_effects.add_type(effect_type)
     _effects.remat_allowed_effects.add_type(effect_type)
     _effects.partial_eval_kept_effects.add_type(effect_type)
+    _recover_failed_tokens_of(effect_type)
+
+
+def _recover_failed_tokens_of(effect_type: type) -> None:
+    """Let a program with this effect run after an earlier one failed.
+
+    JAX hands each ordered effect's output token from one program to the
+    next, and dispatching a program first blocks on the token it receives
+    (``dispatch.RuntimeTokenSet.get_token_input``). On a backend that runs
+    programs asynchronously (GPU), a program whose handler returned an error,
+    e.g. a cross-rank mismatch found by the signature check, leaves that
+    error in its output token: every later program with the effect would
+    raise the old error at dispatch, so one caught mismatch would end all
+    communication for the life of the process (seen on an H100 with jax
+    0.11). The failed program's own outputs carry its error to the caller;
+    the next dispatch drops the failed token and starts a fresh chain, as the
+    CPU backend, where such errors are raised synchronously, behaves. Other
+    effects' tokens are left to JAX.
+    """
+    token_set = _dispatch.RuntimeTokenSet
+    original = getattr(token_set.get_token_input, "_distlinalg_original", token_set.get_token_input)
+    recovered = set(getattr(token_set.get_token_input, "_distlinalg_effects", ())) | {effect_type}
+
+    def get_token_input(self: Any, eff: Any, devices: Any) -> Any:
+        try:
+            return original(self, eff, devices)
+        except jax.errors.JaxRuntimeError:
+            if not isinstance(eff, tuple(recovered)):
+                raise
+            self.current_tokens.pop(eff, None)
+            return original(self, eff, devices)
+
+    get_token_input._distlinalg_original = original  # type: ignore[attr-defined]
+    get_token_input._distlinalg_effects = tuple(recovered)  # type: ignore[attr-defined]
+    token_set.get_token_input = get_token_input
+
+
+def effect_tokens() -> dict[Any, Any]:
+    """This thread's ordered-effect tokens between programs (JAX's dispatch state)."""
+    return _dispatch.runtime_tokens.current_tokens
+
+
+def token(buffer: Any) -> Any:
+    """A JAX token wrapping `buffer` (what a program hands the next as its effect token)."""
+    return _core.Token(buffer)
 
 
 def at_top_level() -> bool:

@@ -20,7 +20,9 @@ to GPU ``node_local_rank % gpus_per_node`` (node-local rank from an
 ``MPI_COMM_TYPE_SHARED`` split), like ``jax.distributed.initialize`` does.
 ``DISTLINALG_GPU_DEVICE``: ``local-rank`` (default), ``none`` (leave JAX's
 choice), or a device index for this rank. A ``jax_cuda_visible_devices``
-already set by the user is left alone.
+already set by the user is left alone. When more ranks than GPUs share a
+node, the ranks on one GPU split JAX's preallocation between them (see
+``share_device_memory``) unless the user configured JAX's allocator.
 
 Host staging holds a buffer of up to ``DISTLINALG_CUDA_STAGING_CHUNK`` bytes
 (default ``64M``; suffixes K, M, G) in pinned memory, recycled between
@@ -161,6 +163,32 @@ def visible_gpu_count() -> int:
         return 0
 
 
+# JAX's default: each process preallocates this fraction of its GPU's memory.
+_JAX_DEFAULT_MEM_FRACTION = 0.75
+_ALLOCATOR_VARIABLES = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                        "XLA_PYTHON_CLIENT_ALLOCATOR")
+
+
+def share_device_memory(local_size: int, count: int, device: int, index: int | None) -> str:
+    """Split JAX's preallocation among the ranks of this node that share `device`.
+
+    JAX preallocates 75% of a GPU's memory in every process, so a second rank
+    on the same GPU fails its first allocation. When node-local ranks share a
+    GPU (more ranks than GPUs, device chosen by local rank) and the user set
+    none of JAX's allocator variables, each rank gets 75% / (ranks on its
+    GPU) via ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (read when JAX's backend
+    starts, which has not happened yet). Returns a note for ``STATE``.
+    """
+    if index is not None or local_size <= count:
+        return ""
+    if any(name in os.environ for name in _ALLOCATOR_VARIABLES):
+        return "; shared with other ranks, JAX's allocator as set by the user"
+    sharers = len(range(device, local_size, count))
+    fraction = _JAX_DEFAULT_MEM_FRACTION / sharers
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:.3f}"
+    return f"; shared by {sharers} ranks, each preallocating {fraction:.1%} (XLA_PYTHON_CLIENT_MEM_FRACTION)"
+
+
 def _wants_cuda(platforms: str) -> bool:
     names = [p.strip() for p in platforms.split(",") if p.strip()]
     return not names or any(p in ("cuda", "gpu") for p in names)
@@ -208,6 +236,6 @@ def select_device(node: Any) -> str:
                 else "DISTLINALG_GPU_DEVICE"
             )
             _compat.set_cuda_visible_devices(str(device))
-            result = f"GPU {device} ({why})"
+            result = f"GPU {device} ({why})" + share_device_memory(local_size, count, device, index)
     STATE["device"] = result
     return result

@@ -124,6 +124,33 @@ def test_valid_programs_pass_in_every_mode(comm, size):
         np.testing.assert_allclose(allreduce(jnp.ones(3), comm=comm), np.full(3, size))
 
 
+class _FailedTokenBuffer:
+    """What an asynchronous backend (GPU) leaves as the effect token of a program that failed."""
+
+    def block_until_ready(self):
+        raise jax.errors.JaxRuntimeError("INVALID_ARGUMENT: distlinalg: an earlier program failed")
+
+
+def test_programs_run_after_a_failed_program_left_an_error_in_the_effect_token(comm, size):
+    """On a GPU, a mismatch caught by one program must not fail every later program.
+
+    The CPU backend raises a handler's error synchronously, so the token JAX hands
+    from program to program never holds one; a GPU's asynchronous execution
+    leaves it in the failed program's output token. That state is set up here
+    (JAX's token for the MPI effect holds an error), then programs with the
+    effect run and agree.
+    """
+    from distlinalg import _compat
+    from distlinalg.comm._core import mpi_effect
+
+    f = jax.jit(lambda x: allreduce(x, comm=comm))
+    g = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, v: allreduce(v, comm=comm) / size, x))
+    for program, expected in ((f, size), (g, 1.0)):
+        _compat.effect_tokens()[mpi_effect] = _compat.token(_FailedTokenBuffer())
+        np.testing.assert_allclose(program(jnp.ones(3)), np.full(3, expected))
+        np.testing.assert_allclose(program(jnp.ones(3)), np.full(3, expected))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64])
 @pytest.mark.parametrize("op", ["max", "min"])
 def test_nan_propagates_in_min_max_for_every_float_dtype(comm, rank, size, dtype, op):
