@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Suites and measurements on a GPU node with no network (how #19's figures were taken).
+#
+#   WHEELS=dir bash benchmarks/gpu_node.sh setup        install wheels from dir (the mpich wheel,
+#                                                       NetKet and what it needs beyond the node's
+#                                                       image), build distlinalg into python3
+#   bash benchmarks/gpu_node.sh test LOGDIR RANKS... -- FILES...
+#                                                       the suites on the GPU, one mpiexec run per
+#                                                       rank count, all rank counts at once (they share
+#                                                       the GPU); logs under LOGDIR/n<N>
+#   bash benchmarks/gpu_node.sh bench-gpu OUTDIR        collectives vs copy bandwidth (2 ranks), CG on
+#                                                       Poisson 2000² vs jax.scipy's cg, the SR step
+#   bash benchmarks/gpu_node.sh scaling OUTDIR [RANKS...]
+#                                                       CPU-only: Poisson CG per iteration and the SR
+#                                                       step at 1 2 4 8 16 ranks
+# PYTHON (default python3) must be able to build distlinalg (cmake, nanobind, scikit-build-core).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+BIN=$(dirname "$(command -v "$PY")")
+export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+stage=${1:?stage: setup, test, bench-gpu or scaling}
+shift
+case "$stage" in
+setup)
+  if [ -n "${WHEELS:-}" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile "$WHEELS"/*.whl
+  fi
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$PY" -m pip install -q --no-index --no-deps --no-build-isolation \
+    -Cbuild-dir=build/gpu-node -e .
+  "$PY" -m distlinalg
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+  ;;
+test)
+  logdir=$1; shift
+  ranks=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do ranks+=("$1"); shift; done
+  shift || true
+  # The worlds run at once on one GPU, and each world's ranks split JAX's preallocation only
+  # among themselves (distlinalg/_cuda.py): let every process allocate on demand instead.
+  export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
+  pids=()
+  for n in "${ranks[@]}"; do
+    mkdir -p "$logdir/n$n"
+    # RUN_MPI_ARGS: more options of tests/run_mpi.py (e.g. --no-compile-cache)
+    MPITEST_LOGS="$logdir/n$n" "$PY" tests/run_mpi.py --ranks "$n" --no-serial ${RUN_MPI_ARGS:-} \
+      --timeout "${TEST_TIMEOUT:-1500}" -- -q "$@" \
+      > "$logdir/n$n.out" 2>&1 &
+    pids+=($!)
+  done
+  status=0
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  for n in "${ranks[@]}"; do echo "=== $n ranks"; tail -n 30 "$logdir/n$n.out"; done
+  exit $status
+  ;;
+bench-gpu)
+  out=$1; mkdir -p "$out"
+  "$BIN/mpiexec" -n 2 "$PY" benchmarks/bench_gpu.py --max-bytes "${MAX_BYTES:-268435456}" \
+    --repeats "${REPEATS:-5}" --seconds "${SECONDS_PER_RUN:-0.2}" --output "$out/gpu_collectives_2.json"
+  "$BIN/mpiexec" -n 1 "$PY" benchmarks/bench_krylov.py --n 2000 --iters "${CG_ITERS:-200}" \
+    --repeats "${REPEATS:-3}" --converge --contenders distlinalg-cg jax-scipy-cg --json "$out/krylov_gpu_1.json"
+  "$BIN/mpiexec" -n 1 "$PY" benchmarks/bench_sr.py --iters "${SR_ITERS:-20}" --json "$out/sr_gpu_1.json"
+  cat "$out/sr_gpu_1.json"; echo
+  ;;
+scaling)
+  out=$1; shift; mkdir -p "$out"
+  ranks=("$@"); [ ${#ranks[@]} -gt 0 ] || ranks=(1 2 4 8 16)
+  export JAX_PLATFORMS=cpu
+  for n in "${ranks[@]}"; do
+    contenders=(distlinalg-cg); [ "$n" = 1 ] && contenders+=(jax-scipy-cg)
+    "$BIN/mpiexec" -n "$n" "$PY" benchmarks/bench_krylov.py --n 2000 --iters "${CG_ITERS:-100}" \
+      --repeats "${REPEATS:-3}" \
+      --contenders "${contenders[@]}" --json "$out/krylov_cpu_$n.json"
+    "$BIN/mpiexec" -n "$n" "$PY" benchmarks/bench_sr.py --iters "${SR_ITERS:-20}" --json "$out/sr_cpu_$n.json"
+    cat "$out/sr_cpu_$n.json"; echo
+  done
+  ;;
+*)
+  echo "unknown stage $stage" >&2; exit 2
+  ;;
+esac
