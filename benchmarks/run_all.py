@@ -749,7 +749,10 @@ def write_report(res: dict, meta: dict) -> None:
              "- peers: " + "; ".join(f"{k}: {'ok (' + v['detail'] + ')' if v['ok'] else 'skipped: ' + v['detail']}"
                                      for k, v in res.get("peers", {}).items()),
              f"- threads: OPENBLAS/OMP/MKL_NUM_THREADS=1 in every run; wall time {meta['wall']:.0f} s",
-             "- sections run at: " + ", ".join(f"{k} {v['date']}" for k, v in res.get("sections", {}).items()), ""]
+             "- sections run at: " + ", ".join(f"{k} {v['date']}" for k, v in res.get("sections", {}).items()),
+             "- other machines and studies: [results_gpu_node.md](results_gpu_node.md) (one H100 and 16 CPU cores: "
+             "GPU suites, collectives vs copy bandwidth, CG and SR on the GPU, CPU scaling to 16 ranks), "
+             "[results_minsr.md](results_minsr.md)", ""]
     heads = summary(res)
     if heads:
         lines += ["Headlines:", ""] + [f"- {h}" for h in heads] + [""]
