@@ -321,7 +321,8 @@ class CG(_KrylovSolver):
       max_steps: iteration limit (None: distlinalg's default).
       layout: layout of a plain lineax operator ("replicated" or "sharded");
         a :class:`DistributedOperator` brings its own.
-      method: ``"standard"`` or ``"single_reduction"``.
+      method: ``"standard"``, ``"single_reduction"`` or ``"pipelined"`` (see
+        :func:`distlinalg.solvers.cg`).
 
     Shapes: b and the solution are this rank's pieces (layout). The
     solution's ``stats`` hold ``num_steps``, ``residual_norm`` and

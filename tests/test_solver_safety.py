@@ -29,6 +29,7 @@ INCONSISTENT = Reason.DIVERGED_INCONSISTENT_RANKS
 SOLVERS = {
     "cg": functools.partial(cg, method="standard"),
     "cg1": functools.partial(cg, method="single_reduction"),
+    "cgp": functools.partial(cg, method="pipelined"),
     "minres": minres,
 }
 
@@ -312,7 +313,7 @@ def test_messages_per_iteration_unchanged(size):
         def count(jaxpr):
             total = 0
             for eqn in jaxpr.eqns:
-                total += eqn.primitive.name == "distlinalg_allreduce"
+                total += eqn.primitive.name in ("distlinalg_allreduce", "distlinalg_iallreduce")
                 for value in eqn.params.values():
                     for sub in value if isinstance(value, (tuple, list)) else (value,):
                         inner = getattr(sub, "jaxpr", sub)
@@ -336,8 +337,8 @@ def test_messages_per_iteration_unchanged(size):
     A, b = jnp.asarray(spd()), jnp.ones(N)
     replicated_expected = 1 if size > 1 else 0
     # MINRES's loop body holds two steps (its vector slots alternate, minres.py).
-    steps_per_body = {"cg": 1, "cg1": 1, "minres": 2}
-    for name, expected in {"cg": 2, "cg1": 1, "minres": 2}.items():
+    steps_per_body = {"cg": 1, "cg1": 1, "cgp": 1, "minres": 2}
+    for name, expected in {"cg": 2, "cg1": 1, "cgp": 1, "minres": 2}.items():
         got = allreduces_in_loop(lambda b: SOLVERS[name](lambda v: 2.0 * v, b, layout="sharded"), b)
         assert got == expected * steps_per_body[name], (name, got)
         got = allreduces_in_loop(lambda b: SOLVERS[name](A, b), b)

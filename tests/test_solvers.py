@@ -52,6 +52,7 @@ def sharded_operator(A, comm):
 SOLVERS = {
     "cg": lambda *a, **k: cg(*a, **k),
     "cg1": lambda *a, **k: cg(*a, method="single_reduction", **k),
+    "cgp": lambda *a, **k: cg(*a, method="pipelined", **k),
     "minres": lambda *a, **k: minres(*a, **k),
 }
 
@@ -97,7 +98,7 @@ def test_minres_indefinite_with_shift_and_preconditioner(comm, rank, size, layou
 def test_cg_on_indefinite_matrix_reports_it(comm):
     A = indefinite()
     b = np.random.default_rng(7).standard_normal(N)
-    for method in ["standard", "single_reduction"]:
+    for method in ["standard", "single_reduction", "pipelined"]:
         _, info = cg(A, b, rtol=1e-12, comm=comm, method=method)
         assert int(info.reason) == Reason.DIVERGED_INDEFINITE_MAT, (method, info)
         assert not bool(info.converged)
@@ -150,7 +151,7 @@ def test_pytree_rhs(comm):
         np.testing.assert_allclose(np.concatenate([x["head"], x["tail"]]), np.linalg.solve(A, b), rtol=1e-8)
 
 
-@pytest.mark.parametrize("solver", ["cg", "cg1", "minres"])
+@pytest.mark.parametrize("solver", ["cg", "cg1", "cgp", "minres"])
 def test_gradients_through_allreduce_operator(comm, rank, size, solver):
     """Natural-gradient shape: S(θ) = Σ_r θ_r² G_r + λI, replicated vectors.
 
@@ -361,7 +362,7 @@ def test_check_grads_through_allgather_operator(comm, rank, size):
                                rtol=1e-9)
 
 
-@pytest.mark.parametrize("solver", ["cg", "cg1", "minres"])
+@pytest.mark.parametrize("solver", ["cg", "cg1", "cgp", "minres"])
 def test_stopping_decision_identical_on_every_rank(comm, rank, size, solver):
     """Ranks that see different data still stop together with the same info."""
     A = spd(30)
@@ -458,3 +459,55 @@ def test_rank_dependent_cotangents_replicated_layout(comm, rank, size, solver):
     x = np.linalg.solve(S, np.asarray(b))
     x_dot = -np.linalg.solve(S, sum(2 * t * (g @ x) for t, g in zip(np.asarray(thetas), np.asarray(G_all))))
     np.testing.assert_allclose(tangent, c_all[rank] @ x_dot, rtol=1e-7)
+
+
+def test_pipelined_cg_on_halo_laplacian_values_grad_jvp_vmap(comm, rank, size):
+    """cg(method="pipelined"): the sharded 2-D Laplacian (halo sendrecvs in the matvec,
+    the reduction in flight across the preconditioner and matvec), against the
+    dense single-process solve of the gathered problem: values, reverse and
+    forward derivatives with respect to b and to the operator's scale, vmap."""
+    from distlinalg.operators import laplacian_2d
+
+    n = 6
+    op = laplacian_2d(n, comm=comm)
+    start, stop = op.grid_rows
+    mine = slice(start * n, stop * n)
+    T = 2 * np.eye(n) - np.eye(n, k=1) - np.eye(n, k=-1)
+    dense = np.kron(np.eye(n), T) + np.kron(T, np.eye(n))
+    rng = np.random.default_rng(44)
+    b_all, c_all = rng.standard_normal(n * n), rng.standard_normal(n * n)
+    b, c = jnp.asarray(b_all[mine]), jnp.asarray(c_all[mine])
+    M = jacobi(jnp.full(b.shape, 4.0))
+
+    def loss(scale, b):
+        x, _ = cg(lambda v: scale * (op @ v), b, rtol=1e-12, M=M, layout="sharded", method="pipelined", comm=comm)
+        return allreduce(jnp.vdot(c, x), comm=comm)
+
+    def reference(scale, b_all):
+        return jnp.vdot(jnp.asarray(c_all), jnp.linalg.solve(scale * jnp.asarray(dense), b_all))
+
+    scale = 1.3
+    x, info = jax.jit(lambda b: cg(op, b, rtol=1e-12, M=M, method="pipelined", comm=comm))(b)
+    np.testing.assert_allclose(x, np.linalg.solve(dense, b_all)[mine], rtol=1e-9, atol=1e-11)
+    assert bool(info.converged) and int(info.reason) == Reason.CONVERGED_RTOL
+    record = np.array([int(info.iterations), float(info.residual_norm)])
+    assert (gather_global(record, comm) == record).all()
+
+    import distlinalg.ad as dad
+
+    # The scale is replicated, b sharded (docs/ad.md): the exact gradient of the replicated loss.
+    value, (g_scale, g_b) = jax.jit(dad.value_and_grad(loss, argnums=(0, 1), sharded=1))(scale, b)
+    ref_value, (ref_scale, ref_b) = jax.value_and_grad(reference, argnums=(0, 1))(scale, jnp.asarray(b_all))
+    np.testing.assert_allclose(value, ref_value, rtol=1e-9)
+    np.testing.assert_allclose(g_scale, ref_scale, rtol=1e-8)
+    np.testing.assert_allclose(g_b, np.asarray(ref_b)[mine], rtol=1e-8, atol=1e-12)
+    db_all = rng.standard_normal(n * n)
+    _, tangent = jax.jvp(lambda b: loss(scale, b), (b,), (jnp.asarray(db_all[mine]),))
+    _, ref_tangent = jax.jvp(lambda b: reference(scale, b), (jnp.asarray(b_all),), (jnp.asarray(db_all),))
+    np.testing.assert_allclose(tangent, ref_tangent, rtol=1e-8)
+
+    B_all = rng.standard_normal((3, n * n))
+    B_all[1] *= 1e-3  # lanes that stop at different iterations
+    xs, infos = jax.vmap(lambda b: cg(op, b, rtol=1e-11, method="pipelined", comm=comm))(jnp.asarray(B_all[:, mine]))
+    np.testing.assert_allclose(xs, np.linalg.solve(dense, B_all.T).T[:, mine], rtol=1e-8, atol=1e-11)
+    assert np.asarray(infos.converged).all()

@@ -31,6 +31,7 @@ from .. import _compat
 from .._mpi import Communicator, ReduceOp, resolve_comm
 from ..comm.allgather import allgather
 from ..comm.allreduce import allreduce
+from ..comm.nonblocking import iallreduce, wait
 from ..operators._base import LinearOperator  # operators never import the solvers
 
 LAYOUTS = ("replicated", "sharded")
@@ -248,6 +249,27 @@ class Reductions:
         values = self.sum(jnp.stack([v.astype(dtype) for v in local]))
         return [values[i] for i in range(len(pairs))]
 
+    def start_dots(self, pairs: Sequence[tuple[Any, Any]]) -> "PendingDots":
+        """Start ``dots(pairs)`` without waiting; :meth:`finish` returns the values.
+
+        Sharded layout: one non-blocking allreduce (``iallreduce``) of the local
+        inner products, in flight until `finish`, so the work traced in between
+        (a pipelined solver's matvec and preconditioner) overlaps it. Replicated
+        layout: the local values, nothing to wait for.
+        """
+        local = [local_vdot(x, y) for x, y in pairs]
+        dtype = common_dtype(*[v.dtype for v in local])
+        stacked = jnp.stack([v.astype(dtype) for v in local])
+        if self.layout == "sharded":
+            self.count += 1
+            return PendingDots(iallreduce(stacked, "sum", comm=self.comm), None)
+        return PendingDots(None, stacked)
+
+    def finish(self, pending: "PendingDots") -> list[Any]:
+        """The values of a :meth:`start_dots` (waits for its reduction)."""
+        values = pending.values if pending.request is None else wait(pending.request)
+        return [values[i] for i in range(values.shape[0])]
+
     def sum(self, values: Any) -> Any:
         """Σ over ranks of a small vector of local partial sums (sharded layout;
         the replicated layout's local values are already whole)."""
@@ -300,6 +322,13 @@ class Reductions:
         if probe is None:
             return Agreed(m[0], -m[1], code, also_max, None, None, None, compared=True)
         return Agreed(m[0], -m[1], code, also_max, m[n], -m[n + 1], m[n + 2], compared=True)
+
+
+class PendingDots(NamedTuple):
+    """Inner products under way (`Reductions.start_dots`): a request, or the local values."""
+
+    request: Any  # distlinalg.comm.Request of the sharded layout's reduction, else None
+    values: Any  # the replicated layout's local values, else None
 
 
 class Agreed(NamedTuple):

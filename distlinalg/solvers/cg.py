@@ -15,6 +15,14 @@ The single-reduction variant (Chronopoulos & Gear 1989) carries s = A p and
 w = A u to compute ⟨r, u⟩, ⟨w, u⟩ and ⟨r, r⟩ in one fused reduction per
 iteration, at the price of one more vector update (and, in finite precision,
 a slightly different rounding behaviour).
+
+The pipelined variant (Ghysels & Vanroose 2014, PETSc's KSPPIPECG) also
+carries m = M w, n = A m and their recurrences z, q, s, p, so that the one
+reduction of an iteration is *started* before the preconditioner and the
+matvec and waited for after them: in the sharded layout the message travels
+while A and M compute (a non-blocking ``iallreduce``). It costs four more
+vector updates per iteration and, in finite precision, a residual that drifts
+further from b − A x than the other variants' (the recurrences are longer).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from . import _common as C
 from ._common import Reason, SolverInfo
 from ._driver import krylov_solve
 
-METHODS = ("standard", "single_reduction")
+METHODS = ("standard", "single_reduction", "pipelined")
 
 
 def cg(
@@ -74,7 +82,12 @@ def cg(
         "complex"-mode Gram matrix) is solved on (Re, Im) pairs.
       comm: mpi4py communicator (default distlinalg's).
       method: ``"standard"`` (2 allreduces per iteration in the sharded
-        layout) or ``"single_reduction"`` (Chronopoulos–Gear, 1 allreduce).
+        layout), ``"single_reduction"`` (Chronopoulos–Gear, 1 allreduce) or
+        ``"pipelined"`` (Ghysels–Vanroose: 1 non-blocking allreduce, in flight
+        while the preconditioner and the matvec run; pays where a reduction
+        costs as much as a matvec, i.e. many ranks or small blocks). The
+        replicated layout has no reductions to hide (its one agreement message
+        per iteration is blocking in every method).
       history: keep the residual norms of the first `history` iterations.
       monitor: print ``k KSP Residual norm r`` on rank 0 every iteration.
 
@@ -111,7 +124,7 @@ def cg(
             method=method, history=history, monitor=monitor,
         )
     p = C.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
-    body = _standard if method == "standard" else _single_reduction
+    body = {"standard": _standard, "single_reduction": _single_reduction, "pipelined": _pipelined}[method]
 
     def iterate(mv, rhs, x_init, rtol_agreed, atol_scaled, maxiter_agreed, start):
         return body(mv, rhs, x_init, p.precond, rtol_agreed, atol_scaled, maxiter_agreed, start, p.reductions,
@@ -263,6 +276,86 @@ def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C
 
     out = jax.lax.while_loop(keep_going, step, state)
     x, rr, k, reason, hist = out[0], out[10], out[11], out[12], out[13]
+    converged = (reason == Reason.ITERATING) & _status(rr, threshold, k)
+    reason = C.finish_reason(from_atol, converged, k, maxiter, reason)
+    return x, SolverInfo(k, jnp.sqrt(rr), converged, reason, hist)
+
+
+def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, history, monitor):
+    """Ghysels–Vanroose pipelined CG: one reduction per iteration, overlapped.
+
+    Invariants at the top of iteration k (exact arithmetic): u = M r, w = A u,
+    m = M w, n = A m, and γ = ⟨r, u⟩, δ = ⟨w, u⟩, ρ = ⟨r, r⟩ of the current r
+    (reduced in the previous iteration, while m and n were computed).
+    """
+    real = lambda v: jnp.real(v)  # noqa: E731
+    r = C.tree_sub(b, matvec(x0))                                   # r₀ = b − A x₀
+    u = precond(r)                                                  # u₀ = M r₀
+    w = matvec(u)                                                   # w₀ = A u₀
+    gamma, delta, rr, bb = map(real, red.dots([(r, u), (w, u), (r, r), (b, b)]))
+    nonfinite0 = ~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta)
+    failure0 = jnp.where(nonfinite0, Reason.DIVERGED_NANORINF, Reason.ITERATING).astype(jnp.int32)
+    rr, b_norm, reason0 = _start(red, rr, bb, failure0, start, probe=(delta, jnp.abs(delta)))
+    threshold, from_atol = C.stopping_threshold(b_norm, rtol, atol)
+    hist = C.record(C.new_history(history, rr.dtype), 0, jnp.sqrt(rr))
+    C.monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
+    m = precond(w)                                                  # m₀ = M w₀
+    n = matvec(m)                                                   # n₀ = A m₀
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, b)
+    one = jnp.ones_like(gamma)
+    # (z, q, s, p) = (A q, M s, A p, the direction); γ₋₁ and α₋₁ are unused at k = 0 (β₀ = 0).
+    state = (x0, r, u, w, m, n, zeros, zeros, zeros, zeros, gamma, delta, one, one, rr, jnp.int32(0),
+             reason0, hist)
+
+    def keep_going(st):
+        rr, k, reason = st[14], st[15], st[16]
+        return (reason == Reason.ITERATING) & (k < maxiter) & ~_status(rr, threshold, k)
+
+    def step(st):
+        x, r, u, w, m, n, z, q, s, p, gamma, delta, gamma_old, alpha_old, rr, k, reason, hist = st
+        first = k == 0
+        beta = jnp.where(first, jnp.zeros_like(gamma), gamma / gamma_old)           # β = γ / γ₋₁
+        curvature = jnp.where(first, delta, delta - beta * gamma / alpha_old)       # ⟨p, A p⟩ of the new p
+        failure = jnp.where(
+            curvature < 0, Reason.DIVERGED_INDEFINITE_MAT,
+            jnp.where(curvature == 0, Reason.DIVERGED_BREAKDOWN,
+                      jnp.where(gamma < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING)),
+        )
+        # A failed step must not move x or r: a zero step length.
+        alpha = jnp.where(failure == Reason.ITERATING, gamma / curvature, jnp.zeros_like(gamma))
+        z = C.tree_scale_add(n, beta, z)                            # z = n + β z    (= A q)
+        q = C.tree_scale_add(m, beta, q)                            # q = m + β q    (= M s)
+        s = C.tree_scale_add(w, beta, s)                            # s = w + β s    (= A p)
+        p = C.tree_scale_add(u, beta, p)                            # p = u + β p
+        x = C.tree_axpy(alpha, p, x)                                # x ← x + α p
+        r = C.tree_axpy(-alpha, s, r)                               # r ← r − α s
+        u = C.tree_axpy(-alpha, q, u)                               # u ← u − α q    (= M r)
+        w = C.tree_axpy(-alpha, z, w)                               # w ← w − α z    (= A u)
+        pending = red.start_dots([(r, u), (w, u), (r, r)])          # γ', δ', ρ' under way ...
+        m = precond(w)                                              # ... while m = M w
+        n = matvec(m)                                               # ... and n = A m run
+        gamma_new, delta_new, rr_new = map(real, red.finish(pending))
+        failure = jnp.where(
+            failure != Reason.ITERATING, failure,
+            jnp.where(~jnp.isfinite(rr_new) | ~jnp.isfinite(gamma_new) | ~jnp.isfinite(delta_new),
+                      Reason.DIVERGED_NANORINF, Reason.ITERATING),
+        )
+        # First step: also compare ‖r₁‖ and the curvature across ranks (replicated layout).
+        rr_new, failure = _agree(red, rr_new, failure, first, b_norm, (curvature, jnp.abs(curvature)))
+        ok = failure == Reason.ITERATING
+        gamma_old = jnp.where(ok, gamma, gamma_old)
+        alpha_old = jnp.where(ok, alpha, alpha_old)
+        gamma = jnp.where(ok, gamma_new, gamma)
+        delta = jnp.where(ok, delta_new, delta)
+        rr = jnp.where(ok, rr_new, rr)
+        k = k + ok.astype(jnp.int32)
+        hist = C.record(hist, k, jnp.sqrt(rr)) if hist is not None else None
+        C.monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
+        return (x, r, u, w, m, n, z, q, s, p, gamma, delta, gamma_old, alpha_old, rr, k,
+                failure.astype(jnp.int32), hist)
+
+    out = jax.lax.while_loop(keep_going, step, state)
+    x, rr, k, reason, hist = out[0], out[14], out[15], out[16], out[17]
     converged = (reason == Reason.ITERATING) & _status(rr, threshold, k)
     reason = C.finish_reason(from_atol, converged, k, maxiter, reason)
     return x, SolverInfo(k, jnp.sqrt(rr), converged, reason, hist)
