@@ -34,6 +34,10 @@ float64 unknowns, counting each vector once per pass between the reductions
                          r x p r q, w x r; [p = r + βp] r r p, w p
   CG (single reduction)  11·8N: [p = r + βp, s = w + βs, x += αp, r −= αs]
                          r r p w s x, w p s x r; [w = A r, ⟨r,r⟩, ⟨r,w⟩] r r, w w
+  CG (pipelined)         20·8N: [z = n + βz, q = m + βq, s = w + βs, p = u + βp,
+                         x += αp, r −= αs, u −= αq, w −= αz, ⟨r,u⟩ ⟨w,u⟩ ⟨r,r⟩]
+                         r n z m q w s u p x r, w z q s p x r u w; [n = A m] r m, w n
+                         (M = I: m = w, no pass)
   MINRES                 12·8N: [y = A v − c r_old, ⟨v,y⟩] r v r_old, w y;
                          [y −= c' r₂, ‖y‖] r y r₂, w y; [w = (v − ε w₁ − δ w₂)/γ,
                          x += φ w] r v w₁ w₂ x, w w x  (v = y/β fused into its users)
@@ -70,12 +74,13 @@ from mpi4py import MPI  # noqa: E402
 
 import _util  # noqa: E402
 
-STREAMS = {"cg": 11, "cg-sr": 11, "minres": 12}
-CONTENDERS = ("distlinalg-cg", "distlinalg-cg-sr", "distlinalg-minres", "distlinalg-cg-lib", "jax-scipy-cg",
+STREAMS = {"cg": 11, "cg-sr": 11, "cg-pipe": 20, "minres": 12}
+CONTENDERS = ("distlinalg-cg", "distlinalg-cg-sr", "distlinalg-cg-pipe", "distlinalg-minres", "distlinalg-cg-lib", "jax-scipy-cg",
               "scipy-cg", "petsc-cg", "petsc-minres")
 LABELS = {
     "distlinalg-cg": "distlinalg cg",
     "distlinalg-cg-sr": "distlinalg cg single-reduction",
+    "distlinalg-cg-pipe": "distlinalg cg pipelined",
     "distlinalg-minres": "distlinalg minres",
     "distlinalg-cg-lib": "distlinalg cg, operators.laplacian_2d (flat vectors)",
     "jax-scipy-cg": "jax.scipy.sparse.linalg.cg, 1 process (peer)",
@@ -135,7 +140,8 @@ def allreduces_per_iteration(fn, *args) -> int:
 
     def count(jaxpr):
         return sum(
-            (eqn.primitive.name == "distlinalg_allreduce") + sum(count(sub) for sub in _subjaxprs(eqn))
+            (eqn.primitive.name in ("distlinalg_allreduce", "distlinalg_iallreduce"))
+            + sum(count(sub) for sub in _subjaxprs(eqn))
             for eqn in jaxpr.eqns
         )
 
@@ -198,7 +204,7 @@ def distlinalg_solver(name, args, comm):
     def make(maxiter):
         if name == "distlinalg-minres":
             return jax.jit(lambda b: dl.minres(op, b, rtol=1e-8, maxiter=maxiter, layout="sharded"))
-        method = "single_reduction" if name == "distlinalg-cg-sr" else "standard"
+        method = {"distlinalg-cg-sr": "single_reduction", "distlinalg-cg-pipe": "pipelined"}.get(name, "standard")
         return jax.jit(lambda b: dl.cg(op, b, rtol=1e-8, maxiter=maxiter, layout="sharded", method=method))
 
     budget = make(args.iters)
@@ -371,6 +377,8 @@ def bytes_per_iteration(name, n):
         return STREAMS["cg"] * 8 * N + 64 * N
     if name == "petsc-cg":
         return STREAMS["cg"] * 8 * N + 64 * N  # AIJ: the same CSR matvec traffic
+    if name == "distlinalg-cg-pipe":
+        return STREAMS["cg-pipe"] * 8 * N
     return STREAMS["cg"] * 8 * N
 
 
