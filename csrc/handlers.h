@@ -33,7 +33,11 @@
   X("distlinalg_iallreduce", DlIallreduce)          \
   X("distlinalg_iallgather", DlIallgather)          \
   X("distlinalg_ireduce_scatter", DlIreduceScatter) \
-  X("distlinalg_wait", DlWait)
+  X("distlinalg_wait", DlWait)                      \
+  X("distlinalg_isend", DlIsend)                    \
+  X("distlinalg_irecv", DlIrecv)                    \
+  X("distlinalg_wait_flag", DlWaitFlag)             \
+  X("distlinalg_wait_if", DlWaitIf)
 
 #define DL_DECLARE_ENTRY(name, symbol) DL_DECLARE(symbol);
 DL_FOR_EACH_HANDLER(DL_DECLARE_ENTRY)

@@ -1,6 +1,6 @@
-// XLA FFI handlers of the non-blocking collectives: a start handler posts
-// MPI_Iallreduce / MPI_Iallgather, a wait handler completes it and writes
-// the result.
+// XLA FFI handlers of the non-blocking operations: a start handler posts
+// MPI_Iallreduce / MPI_Iallgather / MPI_Isend / MPI_Irecv, a wait handler
+// completes it and writes the result.
 //
 // XLA may reuse an operand's buffer as soon as the handler that read it
 // returns, and allocates a result only for the handler that writes it, so
@@ -9,6 +9,8 @@
 // request is found by the `request` attribute, a number the lowering gives
 // one start/wait pair (comm/nonblocking.py): the pair of a program runs
 // start then wait, in program order, on every execution.
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -28,6 +30,16 @@ struct PendingRequest {
   std::unique_ptr<char[]> send;
   std::unique_ptr<char[]> recv;
   size_t recv_bytes = 0;
+  // Point-to-point receives: the message's expected element counts (a
+  // flagged receive accepts `expected` or `expected + 1` elements, the last
+  // one the sender's differentiation flag), its MPI type, and its route for
+  // the error messages.
+  bool is_recv = false;
+  bool flagged = false;
+  int64_t expected = 0;
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  int peer = MPI_PROC_NULL;
+  int tag = 0;
 };
 
 std::mutex& TableMutex() {
@@ -197,49 +209,223 @@ ffi::Error IreduceScatterImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Tok
   return Posted(key, std::move(pending));
 }
 
+// ---------------------------------------------------------------------------
+// Point-to-point. A flagged message (comm/nonblocking.py, AD) carries one
+// element more than its buffer: the sender's differentiation flag, all bytes
+// set. A flagged receive posts room for it, preset to zero bytes, so it can
+// tell a differentiating sender (flag set) from a plain one (a message one
+// element shorter, the slot left at zero). `active` (an int32 operand) = 0
+// posts nothing: the request completes at once (a derivative message that the
+// partner, as its flag said, does not exchange).
+
+int32_t ActiveFlag(const ffi::AnyBuffer& active) {
+  return *static_cast<const int32_t*>(active.untyped_data());
+}
+
+ffi::Error TooLarge(const char* op, int64_t n) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    std::string("distlinalg: ") + op + " of " + std::to_string(n) +
+                        " elements: non-blocking point-to-point messages are limited to " +
+                        std::to_string(std::numeric_limits<int>::max() - 1) +
+                        " elements (use send/recv for larger ones)");
+}
+
+// x -> a zero-byte marker; a copy of x (plus the flag when `flagged`) goes
+// to `dest`.
+ffi::Error IsendImpl(ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer active,
+                     ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer>,
+                     int64_t comm_handle, int32_t dest, int32_t tag, int32_t flagged,
+                     int64_t key, ffi::RunId, int64_t) {
+  MpiLock lock;
+  DL_CHECK(CheckNotFinalized("isend"));
+  MPI_Comm comm = CommFromHandle(comm_handle);
+  TypeInfo ti = MpiType(x.element_type());
+  if (!ti.ok) return Unsupported("isend", x.element_type());
+  const int64_t n = x.element_count();
+  if (n + 1 >= std::numeric_limits<int>::max()) return TooLarge("isend", n);
+  CallRecord record("isend", comm, x.element_type(), n, dest);
+  auto pending = std::make_unique<PendingRequest>();
+  pending->op = "isend";
+  pending->wait_name = "wait(isend)";
+  pending->comm = comm;
+  pending->peer = dest;
+  pending->tag = tag;
+  if (ActiveFlag(active) == 0) return Posted(key, std::move(pending));
+  const size_t bytes = x.size_bytes() + (flagged ? ti.itemsize : 0);
+  pending->send.reset(new char[bytes > 0 ? bytes : 1]);
+  DL_CHECK(CopyBytes(pending->send.get(), x.untyped_data(), x.size_bytes()));
+  if (flagged) std::memset(pending->send.get() + x.size_bytes(), 0xFF, ti.itemsize);
+  pending->requests.push_back(MPI_REQUEST_NULL);
+  DL_MPI_CHECK("isend", MPI_Isend(pending->send.get(), static_cast<int>(n + (flagged ? 1 : 0)),
+                                  ti.type, dest, tag, comm, &pending->requests.back()));
+  return Posted(key, std::move(pending));
+}
+
+// template -> a zero-byte marker; the message from `source` lands in the
+// request's copy of the template (what a shorter message, or none from
+// MPI_PROC_NULL, leaves untouched).
+ffi::Error IrecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::AnyBuffer active,
+                     ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer>,
+                     int64_t comm_handle, int32_t source, int32_t tag, int32_t flagged,
+                     int64_t key, ffi::RunId, int64_t) {
+  MpiLock lock;
+  DL_CHECK(CheckNotFinalized("irecv"));
+  MPI_Comm comm = CommFromHandle(comm_handle);
+  TypeInfo ti = MpiType(templ.element_type());
+  if (!ti.ok) return Unsupported("irecv", templ.element_type());
+  const int64_t n = templ.element_count();
+  if (n + 1 >= std::numeric_limits<int>::max()) return TooLarge("irecv", n);
+  CallRecord record("irecv", comm, templ.element_type(), n, source);
+  auto pending = std::make_unique<PendingRequest>();
+  pending->op = "irecv";
+  pending->wait_name = "wait(irecv)";
+  pending->comm = comm;
+  pending->is_recv = true;
+  pending->flagged = flagged != 0;
+  pending->expected = n;
+  pending->type = ti.type;
+  pending->peer = source;
+  pending->tag = tag;
+  const size_t room = templ.size_bytes() + (flagged ? ti.itemsize : 0);
+  pending->recv.reset(new char[room > 0 ? room : 1]);
+  pending->recv_bytes = templ.size_bytes();
+  DL_CHECK(CopyBytes(pending->recv.get(), templ.untyped_data(), templ.size_bytes()));
+  if (flagged) std::memset(pending->recv.get() + templ.size_bytes(), 0, ti.itemsize);
+  if (ActiveFlag(active) != 0) {
+    pending->requests.push_back(MPI_REQUEST_NULL);
+    DL_MPI_CHECK("irecv", MPI_Irecv(pending->recv.get(), static_cast<int>(n + (flagged ? 1 : 0)),
+                                    ti.type, source, tag, comm, &pending->requests.back()));
+  }
+  return Posted(key, std::move(pending));
+}
+
+namespace {
+
+std::unique_ptr<PendingRequest> TakePending(int64_t key) {
+  std::lock_guard<std::mutex> lock(TableMutex());
+  auto it = Table().find(key);
+  if (it == Table().end()) return nullptr;
+  std::unique_ptr<PendingRequest> pending = std::move(it->second);
+  Table().erase(it);
+  return pending;
+}
+
+ffi::Error NotStarted() {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    "distlinalg: wait on a request that was not started (or was "
+                    "waited for already)");
+}
+
+// Completes `pending` (cancels it instead when `cancel`) and checks what a
+// receive got; `*flag_set` (may be null): a flagged receive's flag.
+ffi::Error Complete(PendingRequest& pending, ffi::DataType dtype, int64_t count, bool cancel,
+                    bool* flag_set) {
+  MpiLock lock;
+  CallRecord record(pending.wait_name, pending.comm, dtype, count);
+  std::vector<MPI_Status> statuses(pending.requests.size());
+  if (cancel) {
+    for (MPI_Request& r : pending.requests) DL_MPI_CHECK(pending.op, MPI_Cancel(&r));
+  }
+  DL_MPI_CHECK(pending.op, MPI_Waitall(static_cast<int>(pending.requests.size()),
+                                       pending.requests.data(), statuses.data()));
+  if (cancel) {
+    for (MPI_Status& status : statuses) {
+      int cancelled = 0;
+      MPI_Test_cancelled(&status, &cancelled);
+      if (!cancelled) {
+        return ffi::Error(
+            ffi::ErrorCode::kFailedPrecondition,
+            std::string("distlinalg: a derivative message from rank ") +
+                std::to_string(pending.peer) + " (tag " + std::to_string(pending.tag) +
+                ") arrived although its sender's message said it does not differentiate: "
+                "another differentiated isend of the same route and tag was already under way. "
+                "Differentiate both sides of every isend/irecv pair alike.");
+      }
+    }
+  }
+  if (pending.is_recv && !cancel && !statuses.empty() && pending.peer != MPI_PROC_NULL) {
+    int received = 0;
+    MPI_Get_count(&statuses[0], pending.type, &received);
+    const bool plain = received == pending.expected;
+    const bool flagged = pending.flagged && received == pending.expected + 1;
+    if (!plain && !flagged) {
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                        std::string("distlinalg: irecv from rank ") + std::to_string(pending.peer) +
+                            " (tag " + std::to_string(pending.tag) + ") expected " +
+                            std::to_string(pending.expected) + " elements of " + DtypeName(dtype) +
+                            " and received " + std::to_string(received) +
+                            " (the matching isend sends another shape or dtype)");
+    }
+  }
+  if (flag_set != nullptr) {
+    *flag_set = false;
+    if (pending.flagged) {
+      const char* slot = pending.recv.get() + pending.recv_bytes;
+      for (size_t i = 0; i < MpiType(dtype).itemsize; ++i) *flag_set = *flag_set || slot[i] != 0;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CopyResult(const PendingRequest& pending, ffi::Result<ffi::AnyBuffer>& y) {
+  // A send's wait returns nothing (a zero-element result).
+  if (y->size_bytes() == 0) return ffi::Error::Success();
+  if (pending.recv_bytes != y->size_bytes()) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string("distlinalg: wait of ") + pending.op + ": the result holds " +
+                          std::to_string(y->size_bytes()) + " bytes, the request " +
+                          std::to_string(pending.recv_bytes));
+  }
+  return CopyBytes(y->untyped_data(), pending.recv.get(), pending.recv_bytes);
+}
+
+}  // namespace
+
 // The zero-byte marker of a start -> its result, once MPI has completed it.
 ffi::Error WaitImpl(ffi::Token, ffi::AnyBuffer, ffi::Result<ffi::Token>,
                     ffi::Result<ffi::AnyBuffer> y, int64_t key, ffi::RunId, int64_t) {
-  std::unique_ptr<PendingRequest> pending;
-  {
-    std::lock_guard<std::mutex> lock(TableMutex());
-    auto it = Table().find(key);
-    if (it == Table().end()) {
-      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                        "distlinalg: wait on a request that was not started (or was "
-                        "waited for already)");
-    }
-    pending = std::move(it->second);
-    Table().erase(it);
-  }
-  if (pending->recv_bytes != y->size_bytes()) {
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      std::string("distlinalg: wait of ") + pending->op + ": the result holds " +
-                          std::to_string(y->size_bytes()) + " bytes, the request " +
-                          std::to_string(pending->recv_bytes));
-  }
-  {
-    MpiLock lock;
-    CallRecord record(pending->wait_name, pending->comm, y->element_type(), y->element_count());
-    DL_MPI_CHECK(pending->op, MPI_Waitall(static_cast<int>(pending->requests.size()),
-                                          pending->requests.data(), MPI_STATUSES_IGNORE));
-  }
-  return CopyBytes(y->untyped_data(), pending->recv.get(), pending->recv_bytes);
+  std::unique_ptr<PendingRequest> pending = TakePending(key);
+  if (!pending) return NotStarted();
+  DL_CHECK(Complete(*pending, y->element_type(), y->element_count(), false, nullptr));
+  return CopyResult(*pending, y);
+}
+
+// A flagged receive's marker -> (the message, whether its sender set the flag).
+ffi::Error WaitFlagImpl(ffi::Token, ffi::AnyBuffer, ffi::Result<ffi::Token>,
+                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> flag,
+                        int64_t key, ffi::RunId, int64_t) {
+  std::unique_ptr<PendingRequest> pending = TakePending(key);
+  if (!pending) return NotStarted();
+  bool set = false;
+  DL_CHECK(Complete(*pending, y->element_type(), y->element_count(), false, &set));
+  *static_cast<int32_t*>(flag->untyped_data()) = set ? 1 : 0;
+  return CopyResult(*pending, y);
+}
+
+// wait where `active` != 0, else cancel: a derivative message's request,
+// posted before its partner's flag was known.
+ffi::Error WaitIfImpl(ffi::Token, ffi::AnyBuffer, ffi::AnyBuffer active,
+                      ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y, int64_t key,
+                      ffi::RunId, int64_t) {
+  std::unique_ptr<PendingRequest> pending = TakePending(key);
+  if (!pending) return NotStarted();
+  DL_CHECK(Complete(*pending, y->element_type(), y->element_count(), ActiveFlag(active) == 0,
+                    nullptr));
+  return CopyResult(*pending, y);
 }
 
 std::string WaitAndDiscard(int64_t key) {
-  std::unique_ptr<PendingRequest> pending;
-  {
-    std::lock_guard<std::mutex> lock(TableMutex());
-    auto it = Table().find(key);
-    if (it == Table().end()) return "";
-    pending = std::move(it->second);
-    Table().erase(it);
-  }
+  std::unique_ptr<PendingRequest> pending = TakePending(key);
+  if (!pending) return "";
   MpiLock lock;
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return std::string(pending->op) + ": MPI was finalised before the wait";
+  // A point-to-point message whose partner never came is cancelled, not
+  // waited for: the exit must not hang on it.
+  if (std::strcmp(pending->op, "isend") == 0 || pending->is_recv) {
+    for (MPI_Request& r : pending->requests) MPI_Cancel(&r);
+  }
   int rc = MPI_Waitall(static_cast<int>(pending->requests.size()), pending->requests.data(),
                        MPI_STATUSES_IGNORE);
   return rc == MPI_SUCCESS ? "" : MpiErrorString(rc);
@@ -261,8 +447,28 @@ namespace ffi = xla::ffi;
   b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Ret<ffi::Token>().Ret<ffi::AnyBuffer>().Attr< \
       int64_t>("request").Ctx<ffi::RunId>().Attr<int64_t>("site")
 
+#define DL_P2P_START(b)                                                                  \
+  b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::Token>().Ret< \
+      ffi::AnyBuffer>().Attr<int64_t>("comm")
+#define DL_ISEND(b)                                                                    \
+  DL_P2P_START(b).Attr<int32_t>("dest").Attr<int32_t>("tag").Attr<int32_t>("flagged").Attr< \
+      int64_t>("request").Ctx<ffi::RunId>().Attr<int64_t>("site")
+#define DL_IRECV(b)                                                                      \
+  DL_P2P_START(b).Attr<int32_t>("source").Attr<int32_t>("tag").Attr<int32_t>("flagged").Attr< \
+      int64_t>("request").Ctx<ffi::RunId>().Attr<int64_t>("site")
+#define DL_WAIT_FLAG(b)                                                                  \
+  b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Ret<ffi::Token>().Ret<ffi::AnyBuffer>().Ret< \
+      ffi::AnyBuffer>().Attr<int64_t>("request").Ctx<ffi::RunId>().Attr<int64_t>("site")
+#define DL_WAIT_IF(b)                                                                    \
+  b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::Token>().Ret< \
+      ffi::AnyBuffer>().Attr<int64_t>("request").Ctx<ffi::RunId>().Attr<int64_t>("site")
+
 // Always staged on CUDA: the request's buffers are host memory.
 DL_DEFINE_STAGED_HANDLERS(DlIallreduce, dl::IallreduceImpl, DL_IALLREDUCE);
 DL_DEFINE_STAGED_HANDLERS(DlIallgather, dl::IallgatherImpl, DL_IALLGATHER);
 DL_DEFINE_STAGED_HANDLERS(DlIreduceScatter, dl::IreduceScatterImpl, DL_IALLREDUCE);
 DL_DEFINE_STAGED_HANDLERS(DlWait, dl::WaitImpl, DL_WAIT);
+DL_DEFINE_STAGED_HANDLERS(DlIsend, dl::IsendImpl, DL_ISEND);
+DL_DEFINE_STAGED_HANDLERS(DlIrecv, dl::IrecvImpl, DL_IRECV);
+DL_DEFINE_STAGED_HANDLERS(DlWaitFlag, dl::WaitFlagImpl, DL_WAIT_FLAG);
+DL_DEFINE_STAGED_HANDLERS(DlWaitIf, dl::WaitIfImpl, DL_WAIT_IF);

@@ -82,12 +82,16 @@ def _operations(size: int, rank: int):
         "barrier": lambda x: (dlc.barrier(), x * 2)[1],
         "iallreduce_wait": lambda x: dlc.wait(dlc.iallreduce(x)) + jnp.sin(x),
         "iallgather_wait": lambda x: dlc.wait(dlc.iallgather(x[rank])) + jnp.sin(x),
+        "isend_irecv_wait": lambda x: (lambda sent: (dlc.wait(dlc.irecv(x, source=left)), dlc.wait(sent))[0])(
+            dlc.isend(x, dest=right)
+        ),
     }
 
 
 # The public operations of distlinalg.comm; a new one must be added above.
 _PUBLIC = {"allreduce", "reduce", "bcast", "gather", "scatter", "allgather", "reduce_scatter",
-           "alltoall", "scan", "exscan", "send", "recv", "sendrecv", "barrier", "iallreduce", "iallgather", "wait"}
+           "alltoall", "scan", "exscan", "send", "recv", "sendrecv", "barrier", "iallreduce", "iallgather",
+           "isend", "irecv", "wait"}
 
 
 def test_every_public_operation_is_covered():

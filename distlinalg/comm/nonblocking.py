@@ -1,4 +1,5 @@
-"""Non-blocking collectives: iallreduce and iallgather, and wait.
+"""Non-blocking collectives: iallreduce and iallgather, and wait (which also
+completes comm/nonblocking_p2p.py's isend and irecv).
 
 ``request = iallreduce(x)`` starts the reduction and returns at once;
 ``wait(request)`` returns its result. What runs between the two (the
@@ -144,8 +145,12 @@ def _bind_start(start: str, x: Any, *, comm: Communicator, key: tuple, **params:
 
 # ---------------------------------------------------------------------------
 # wait: marker -> the result of the start it completes.
+# (A send's wait returns nothing: a zero-element result.)
 wait_p = _core.new_primitive("wait")
-_core.def_abstract_eval(wait_p, lambda marker, *, comm, key, start: _core.shaped(marker.shape[:-1], marker.dtype))
+_core.def_abstract_eval(
+    wait_p,
+    lambda marker, *, comm, key, start: _core.shaped(marker.shape[:-1] if start != "isend" else (0,), marker.dtype),
+)
 _core.register_lowering(wait_p, "distlinalg_wait", lambda *, comm, key, start: {"request": _key_number(key)})
 
 
@@ -153,6 +158,17 @@ def _bind_wait(marker: Any, *, comm: Communicator, key: tuple, start: str) -> An
     if not _compat.at_top_level():
         _waits_traced.add(key)
     return _core.bind(wait_p, marker, comm=comm, key=key, start=start)
+
+
+def _bind_wait_discard(marker: Any, *, comm: Communicator, key: tuple, start: str = "isend") -> Any:
+    """The wait of a send (comm.nonblocking_p2p): completes it, returns a zero-element array."""
+    return _bind_wait(marker, comm=comm, key=key, start=start)
+
+
+# Point-to-point requests (comm/nonblocking_p2p.py) register their wait and
+# the JVP of their wait here, by start name.
+_P2P_WAITERS: dict[str, Any] = {}
+_P2P_JVP: dict[str, Any] = {}
 
 
 # --- AD ---------------------------------------------------------------------
@@ -184,6 +200,8 @@ def _start_transpose(start: str):
 
 
 def _wait_jvp(primals, tangents, *, comm, key, start):
+    if start in _P2P_JVP:
+        return _P2P_JVP[start](primals, tangents, comm=comm, key=key, start=start)
     (marker,), (marker_t,) = primals, tangents
     y = _bind_wait(marker, comm=comm, key=key, start=start)
     y_t = _bind_wait(_core.instantiate(marker_t), comm=comm, key=_tangent_key(key), start=start)
@@ -217,7 +235,8 @@ def _wait_batch(args, dims, *, comm, key, start):
     (marker,), (d,) = args, dims
     if d == marker.ndim - 1:  # the zero-size axis stays last
         marker, d = jnp.moveaxis(marker, d, 0), 0
-    return wait_p.bind(marker, comm=comm, key=key, start=start), d
+    out = wait_p.bind(marker, comm=comm, key=key, start=start)
+    return out, (_compat.not_mapped if start == "isend" else d)
 
 
 for _name, _prim in _STARTS.items():
@@ -269,11 +288,22 @@ def _start_all(start: str, x: Any, comm: Communicator, **params: Any) -> Request
         check_dtype(leaf.dtype, start, params.get("op"))
     keys = _new_keys(len(leaves))
     markers = tuple(_bind_start(start, leaf, comm=comm, key=k, **params) for leaf, k in zip(leaves, keys))
+    _note_eager_start(start, keys)
+    return Request(markers, start, keys, treedef, comm)
+
+
+def _note_eager_start(start: str, keys: tuple) -> None:
+    """Eager requests are remembered until waited for (completed at exit otherwise)."""
     if _compat.at_top_level():
-        where = "".join(traceback.format_list(traceback.extract_stack(limit=4)[:-2])).strip()
+        where = "".join(traceback.format_list(traceback.extract_stack(limit=5)[:-3])).strip()
         for k in keys:
             _eager_pending[k] = f"{start} started at {where}"
-    return Request(markers, start, keys, treedef, comm)
+
+
+def _note_eager_waited(keys: tuple) -> None:
+    for key in keys:
+        if _eager_pending.pop(key, None) is not None:
+            _free_eager_keys.append(key)
 
 
 def iallreduce(x: Any, op: Any = "sum", *, comm: Any = None) -> Request:
@@ -333,24 +363,29 @@ def wait(request: Request) -> Any:
     """The result of a non-blocking operation, once it is complete.
 
     Args:
-      request: what :func:`iallreduce` or :func:`iallgather` returned.
+      request: what :func:`iallreduce`, :func:`iallgather`, ``isend`` or
+        ``irecv`` returned.
 
     Returns:
-      The operation's result (a pytree shaped like its operand's tree).
+      The operation's result (a pytree shaped like its operand's tree): the
+      reduction, the stack, the received message; None for an isend.
 
     Waiting blocks until this rank's part of the operation is done. Inside a
     traced function, wait in the same function that started the request.
     Waiting twice for one request is an error.
     """
     if not isinstance(request, Request):
-        raise TypeError(f"distlinalg.comm.wait: expected a Request (from iallreduce/iallgather), got {type(request).__name__}")
+        raise TypeError(
+            "distlinalg.comm.wait: expected a Request (from iallreduce, iallgather, isend or irecv), "
+            f"got {type(request).__name__}"
+        )
+    if request.start in _P2P_WAITERS:
+        return _P2P_WAITERS[request.start](request)
     results = [
         _bind_wait(marker, comm=request.comm, key=key, start=request.start)
         for marker, key in zip(request.markers, request.keys)
     ]
-    for key in request.keys:
-        if _eager_pending.pop(key, None) is not None:
-            _free_eager_keys.append(key)
+    _note_eager_waited(request.keys)
     return jax.tree_util.tree_unflatten(request.treedef, results)
 
 
