@@ -230,6 +230,28 @@ ffi::Error TooLarge(const char* op, int64_t n) {
                         " elements (use send/recv for larger ones)");
 }
 
+// The request of a point-to-point start: validates the buffer (dtype, size)
+// and records the route. `op`/`wait_name` must be literals.
+ffi::Error NewP2pPending(const char* op, const char* wait_name, const ffi::AnyBuffer& buffer,
+                         int64_t comm_handle, int32_t peer, int32_t tag, TypeInfo* ti,
+                         std::unique_ptr<PendingRequest>* out) {
+  DL_CHECK(CheckNotFinalized(op));
+  *ti = MpiType(buffer.element_type());
+  if (!ti->ok) return Unsupported(op, buffer.element_type());
+  if (buffer.element_count() + 1 >= std::numeric_limits<int>::max()) {
+    return TooLarge(op, buffer.element_count());
+  }
+  auto pending = std::make_unique<PendingRequest>();
+  pending->op = op;
+  pending->wait_name = wait_name;
+  pending->comm = CommFromHandle(comm_handle);
+  pending->type = ti->type;
+  pending->peer = peer;
+  pending->tag = tag;
+  *out = std::move(pending);
+  return ffi::Error::Success();
+}
+
 // x -> a zero-byte marker; a copy of x (plus the flag when `flagged`) goes
 // to `dest`.
 ffi::Error IsendImpl(ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer active,
@@ -237,19 +259,11 @@ ffi::Error IsendImpl(ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer active,
                      int64_t comm_handle, int32_t dest, int32_t tag, int32_t flagged,
                      int64_t key, ffi::RunId, int64_t) {
   MpiLock lock;
-  DL_CHECK(CheckNotFinalized("isend"));
-  MPI_Comm comm = CommFromHandle(comm_handle);
-  TypeInfo ti = MpiType(x.element_type());
-  if (!ti.ok) return Unsupported("isend", x.element_type());
+  TypeInfo ti;
+  std::unique_ptr<PendingRequest> pending;
+  DL_CHECK(NewP2pPending("isend", "wait(isend)", x, comm_handle, dest, tag, &ti, &pending));
   const int64_t n = x.element_count();
-  if (n + 1 >= std::numeric_limits<int>::max()) return TooLarge("isend", n);
-  CallRecord record("isend", comm, x.element_type(), n, dest);
-  auto pending = std::make_unique<PendingRequest>();
-  pending->op = "isend";
-  pending->wait_name = "wait(isend)";
-  pending->comm = comm;
-  pending->peer = dest;
-  pending->tag = tag;
+  CallRecord record("isend", pending->comm, x.element_type(), n, dest);
   if (ActiveFlag(active) == 0) return Posted(key, std::move(pending));
   const size_t bytes = x.size_bytes() + (flagged ? ti.itemsize : 0);
   pending->send.reset(new char[bytes > 0 ? bytes : 1]);
@@ -257,7 +271,7 @@ ffi::Error IsendImpl(ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer active,
   if (flagged) std::memset(pending->send.get() + x.size_bytes(), 0xFF, ti.itemsize);
   pending->requests.push_back(MPI_REQUEST_NULL);
   DL_MPI_CHECK("isend", MPI_Isend(pending->send.get(), static_cast<int>(n + (flagged ? 1 : 0)),
-                                  ti.type, dest, tag, comm, &pending->requests.back()));
+                                  ti.type, dest, tag, pending->comm, &pending->requests.back()));
   return Posted(key, std::move(pending));
 }
 
@@ -269,23 +283,14 @@ ffi::Error IrecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::AnyBuffer active,
                      int64_t comm_handle, int32_t source, int32_t tag, int32_t flagged,
                      int64_t key, ffi::RunId, int64_t) {
   MpiLock lock;
-  DL_CHECK(CheckNotFinalized("irecv"));
-  MPI_Comm comm = CommFromHandle(comm_handle);
-  TypeInfo ti = MpiType(templ.element_type());
-  if (!ti.ok) return Unsupported("irecv", templ.element_type());
+  TypeInfo ti;
+  std::unique_ptr<PendingRequest> pending;
+  DL_CHECK(NewP2pPending("irecv", "wait(irecv)", templ, comm_handle, source, tag, &ti, &pending));
   const int64_t n = templ.element_count();
-  if (n + 1 >= std::numeric_limits<int>::max()) return TooLarge("irecv", n);
-  CallRecord record("irecv", comm, templ.element_type(), n, source);
-  auto pending = std::make_unique<PendingRequest>();
-  pending->op = "irecv";
-  pending->wait_name = "wait(irecv)";
-  pending->comm = comm;
+  CallRecord record("irecv", pending->comm, templ.element_type(), n, source);
   pending->is_recv = true;
   pending->flagged = flagged != 0;
   pending->expected = n;
-  pending->type = ti.type;
-  pending->peer = source;
-  pending->tag = tag;
   const size_t room = templ.size_bytes() + (flagged ? ti.itemsize : 0);
   pending->recv.reset(new char[room > 0 ? room : 1]);
   pending->recv_bytes = templ.size_bytes();
@@ -294,7 +299,7 @@ ffi::Error IrecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::AnyBuffer active,
   if (ActiveFlag(active) != 0) {
     pending->requests.push_back(MPI_REQUEST_NULL);
     DL_MPI_CHECK("irecv", MPI_Irecv(pending->recv.get(), static_cast<int>(n + (flagged ? 1 : 0)),
-                                    ti.type, source, tag, comm, &pending->requests.back()));
+                                    ti.type, source, tag, pending->comm, &pending->requests.back()));
   }
   return Posted(key, std::move(pending));
 }
