@@ -128,7 +128,7 @@ def _note_wait(key: tuple) -> None:
         nb._waits_traced.add(key)
 
 
-def _wait_plain(marker: Any, *, comm, key, start, peer, tag) -> Any:
+def _wait_plain(marker: Any, *, comm, key, start) -> Any:
     _note_wait(key)
     return _core.bind(nb.wait_p, marker, comm=comm, key=key, start=start)
 
@@ -191,7 +191,7 @@ def _p2p_wait_jvp(primals, tangents, *, comm, key, start):
     key_t = nb._tangent_key(key)
     marker_t = _core.instantiate(marker_t)
     if start == "isend":
-        out = _wait_plain(marker, comm=comm, key=key, start=start, peer=peer, tag=tag)
+        out = _wait_plain(marker, comm=comm, key=key, start=start)
         out_t = _wait_if(marker_t, _batched_like(np.int32(1), marker), comm=comm, key=key_t, start=start, peer=peer,
                          tag=tag)
         return out, out_t
@@ -220,7 +220,7 @@ def _wait_if_transpose(ct, marker, active, *, comm, key, start, peer, tag):
 def _isend_transpose(ct, x, active, *, comm, peer, tag, flagged, key):
     adjoint_key = nb._adjoint_key(key)
     marker = jnp.reshape(_core.instantiate(ct), (*x.aval.shape, 0))
-    x_bar = _wait_plain(marker, comm=comm, key=adjoint_key, start="irecv", peer=peer, tag=tag | ADJOINT_TAG_FLAG)
+    x_bar = _wait_plain(marker, comm=comm, key=adjoint_key, start="irecv")
     return x_bar, None
 
 
@@ -374,7 +374,7 @@ def _wait_request(request: nb.Request) -> Any:
         if request.start == "isend":
             nb._bind_wait_discard(marker, comm=request.comm, key=key, start="isend")
         else:
-            results.append(_wait_plain(marker, comm=request.comm, key=key, start="irecv", peer=None, tag=None))
+            results.append(_wait_plain(marker, comm=request.comm, key=key, start="irecv"))
     nb._note_eager_waited(request.keys)
     if request.start == "isend":
         return None
