@@ -37,7 +37,8 @@
   X("distlinalg_isend", DlIsend)                    \
   X("distlinalg_irecv", DlIrecv)                    \
   X("distlinalg_wait_flag", DlWaitFlag)             \
-  X("distlinalg_wait_if", DlWaitIf)
+  X("distlinalg_wait_if", DlWaitIf)                 \
+  X("distlinalg_fence", DlFence)
 
 #define DL_DECLARE_ENTRY(name, symbol) DL_DECLARE(symbol);
 DL_FOR_EACH_HANDLER(DL_DECLARE_ENTRY)

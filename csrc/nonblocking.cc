@@ -419,6 +419,14 @@ ffi::Error WaitIfImpl(ffi::Token, ffi::AnyBuffer, ffi::AnyBuffer active,
   return CopyResult(*pending, y);
 }
 
+// The fence of comm/overlap.py: reads its operands (so XLA schedules it after
+// they are computed) and hands the token on (so every later distlinalg
+// operation runs after it). Nothing to do at run time, on any platform: no
+// stream synchronisation on CUDA either.
+ffi::Error FenceImpl(ffi::Token, ffi::RemainingArgs, ffi::Result<ffi::Token>) {
+  return ffi::Error::Success();
+}
+
 std::string WaitAndDiscard(int64_t key) {
   std::unique_ptr<PendingRequest> pending = TakePending(key);
   if (!pending) return "";
@@ -477,3 +485,17 @@ DL_DEFINE_STAGED_HANDLERS(DlIsend, dl::IsendImpl, DL_ISEND);
 DL_DEFINE_STAGED_HANDLERS(DlIrecv, dl::IrecvImpl, DL_IRECV);
 DL_DEFINE_STAGED_HANDLERS(DlWaitFlag, dl::WaitFlagImpl, DL_WAIT_FLAG);
 DL_DEFINE_STAGED_HANDLERS(DlWaitIf, dl::WaitIfImpl, DL_WAIT_IF);
+
+#define DL_FENCE(b) b.Arg<ffi::Token>().RemainingArgs().Ret<ffi::Token>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlFence, dl::FenceImpl, DL_FENCE(ffi::Ffi::Bind()));
+#if defined(DL_WITH_CUDA)
+namespace distlinalg {
+ffi::Error FenceOnStream(CUstream, ffi::Token token, ffi::RemainingArgs args,
+                         ffi::Result<ffi::Token> out) {
+  return FenceImpl(token, args, out);
+}
+}  // namespace distlinalg
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlFenceCuda, dl::FenceOnStream,
+                              DL_FENCE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<CUstream>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DlFenceCudaEmulated, dl::FenceImpl, DL_FENCE(ffi::Ffi::Bind()));
+#endif

@@ -39,9 +39,13 @@ def uneven(total, size):
 
 # ---------------------------------------------------------------------------
 # Matrix-free Laplacian
+HALOS = ["overlapped", "blocking"]
+
+
+@pytest.mark.parametrize("halo", HALOS)
 @pytest.mark.parametrize("n", [1, 2, 5])
-def test_laplacian_matches_kron(comm, rank, size, n):
-    op = ops.laplacian_2d(n, comm=comm)
+def test_laplacian_matches_kron(comm, rank, size, n, halo):
+    op = ops.laplacian_2d(n, halo=halo, comm=comm)
     A = poisson(n).toarray()
     np.testing.assert_array_equal(np.asarray(op.to_dense()), A)
     x = np.random.default_rng(0).standard_normal(n * n)
@@ -51,9 +55,10 @@ def test_laplacian_matches_kron(comm, rank, size, n):
     np.testing.assert_array_equal(np.asarray(op.diagonal()), 4.0)
 
 
-def test_laplacian_transpose_and_cg(comm, rank, size):
+@pytest.mark.parametrize("halo", HALOS)
+def test_laplacian_transpose_and_cg(comm, rank, size, halo):
     n = 6
-    op = ops.laplacian_2d(n, row_partition=uneven(n, size), comm=comm)
+    op = ops.laplacian_2d(n, row_partition=uneven(n, size), halo=halo, comm=comm)
     A = poisson(n)
     start, stop = op.grid_rows
     w = np.random.default_rng(1).standard_normal(n * n)
@@ -63,6 +68,47 @@ def test_laplacian_transpose_and_cg(comm, rank, size):
     x, info = dl.cg(op, jnp.asarray(b[start * n : stop * n]), rtol=1e-12, comm=comm)
     assert bool(info.converged)
     np.testing.assert_allclose(concat_blocks(x, comm), np.linalg.solve(A.toarray(), b), rtol=1e-9)
+
+
+@pytest.mark.parametrize("halo", HALOS)
+def test_laplacian_derivatives_and_vmap(comm, rank, size, halo):
+    """Loss Σ sin(A x) (allreduced): jvp and grad against the dense reference; vmap of the matvec."""
+    n = 5
+    op = ops.laplacian_2d(n, row_partition=uneven(n, size), halo=halo, comm=comm)
+    A = jnp.asarray(poisson(n).toarray())
+    start, stop = op.grid_rows
+    rng = np.random.default_rng(2)
+    x, t = rng.standard_normal(n * n), rng.standard_normal(n * n)
+    mine = slice(start * n, stop * n)
+
+    def loss(x_local):
+        return dl.comm.allreduce(jnp.sum(jnp.sin(op.matvec(x_local))), comm=comm)
+
+    def reference(x_all):
+        return jnp.sum(jnp.sin(A @ x_all))
+
+    value, slope = jax.jit(lambda x, t: jax.jvp(loss, (x,), (t,)))(jnp.asarray(x[mine]), jnp.asarray(t[mine]))
+    expected_value, expected_slope = jax.jvp(reference, (jnp.asarray(x),), (jnp.asarray(t),))
+    np.testing.assert_allclose(value, expected_value, rtol=1e-12)
+    np.testing.assert_allclose(slope, expected_slope, rtol=1e-12)
+    g = jax.jit(dl.ad.grad(loss, sharded=0, comm=comm))(jnp.asarray(x[mine]))
+    np.testing.assert_allclose(concat_blocks(g, comm), jax.grad(reference)(jnp.asarray(x)), rtol=1e-12, atol=1e-14)
+    X = rng.standard_normal((3, n * n))
+    Y = jax.jit(jax.vmap(op.matvec))(jnp.asarray(X[:, mine]))
+    np.testing.assert_allclose(np.concatenate(comm.allgather(np.asarray(Y)), axis=1), X @ np.asarray(A).T,
+                               rtol=1e-12, atol=1e-12)
+    if halo == "blocking":  # every order
+        grad = dl.ad.grad(loss, sharded=0, comm=comm)
+        hvp = jax.jit(lambda x, t: jax.jvp(grad, (x,), (t,))[1])(jnp.asarray(x[mine]), jnp.asarray(t[mine]))
+        expected = jax.jvp(jax.grad(reference), (jnp.asarray(x),), (jnp.asarray(t),))[1]
+        np.testing.assert_allclose(concat_blocks(hvp, comm), expected, rtol=1e-11, atol=1e-13)
+
+
+def test_operators_reject_unknown_halo_mode(comm):
+    with pytest.raises(ValueError, match="halo must be one of"):
+        ops.laplacian_2d(4, halo="async", comm=comm)
+    with pytest.raises(ValueError, match="halo must be one of"):
+        ops.sparse_rows(poisson(3), halo="async", comm=comm)
 
 
 # ---------------------------------------------------------------------------
@@ -79,7 +125,8 @@ TWO = pytest.mark.max_ranks(2)
 
 @pytest.mark.parametrize("case", [pytest.param("poisson", marks=TWO), pytest.param("random", marks=TWO), "scattered",
                                   pytest.param("rectangular", marks=TWO), "uneven"])
-def test_sparse_rows_matvec_and_transpose(comm, rank, size, case):
+@pytest.mark.parametrize("halo", HALOS)
+def test_sparse_rows_matvec_and_transpose(comm, rank, size, case, halo):
     if case == "poisson":
         A, kwargs = poisson(4), {}
     elif case == "random":
@@ -97,7 +144,7 @@ def test_sparse_rows_matvec_and_transpose(comm, rank, size, case):
     else:
         A = random_square(10, 5)
         kwargs = {"row_partition": uneven(10, size), "column_partition": uneven(10, size)[::-1]}
-    op = ops.sparse_rows(A, comm=comm, **kwargs)
+    op = ops.sparse_rows(A, halo=halo, comm=comm, **kwargs)
     # Checked on the gathered list, so every rank passes or fails together.
     formats = comm.allgather(op.pattern.format)
     if case == "poisson":
@@ -210,6 +257,42 @@ def test_sparse_rows_derivatives_wrt_values(comm, rank, size, case):
     expected_bar = np.asarray(w_local)[local_rows] * x[indices]
     np.testing.assert_allclose(concat_blocks(values_bar, comm), concat_blocks(expected_bar, comm),
                                rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("halo", HALOS)
+def test_sparse_rows_derivatives_wrt_x_and_vmap(comm, rank, size, halo):
+    """Loss Σ sin(A x) (allreduced) of a halo-heavy matrix: jvp and grad in x
+    against the dense reference; vmap of the matvec; Hessian-vector products
+    with the blocking exchange."""
+    A = halo_heavy(size, block=6)
+    dense = jnp.asarray(A.toarray())
+    op = ops.sparse_rows(A, halo=halo, comm=comm)
+    cols = op.pattern.columns
+    rng = np.random.default_rng(17)
+    x, t = rng.standard_normal(A.shape[1]), rng.standard_normal(A.shape[1])
+    mine = lambda v: jnp.asarray(block_of(v, cols, rank))  # noqa: E731
+
+    def loss(x_local):
+        return dl.comm.allreduce(jnp.sum(jnp.sin(op.matvec(x_local))), comm=comm)
+
+    def reference(x_all):
+        return jnp.sum(jnp.sin(dense @ x_all))
+
+    value, slope = jax.jit(lambda x, t: jax.jvp(loss, (x,), (t,)))(mine(x), mine(t))
+    expected_value, expected_slope = jax.jvp(reference, (jnp.asarray(x),), (jnp.asarray(t),))
+    np.testing.assert_allclose(value, expected_value, rtol=1e-12)
+    np.testing.assert_allclose(slope, expected_slope, rtol=1e-12)
+    grad = dl.ad.grad(loss, sharded=0, comm=comm)
+    np.testing.assert_allclose(concat_blocks(jax.jit(grad)(mine(x)), comm), jax.grad(reference)(jnp.asarray(x)),
+                               rtol=1e-12, atol=1e-14)
+    X = rng.standard_normal((2, A.shape[1]))
+    Y = jax.jit(jax.vmap(op.matvec))(jnp.stack([mine(row) for row in X]))
+    np.testing.assert_allclose(np.concatenate(comm.allgather(np.asarray(Y)), axis=1), X @ A.toarray().T,
+                               rtol=1e-12, atol=1e-12)
+    if halo == "blocking":
+        hvp = jax.jit(lambda x, t: jax.jvp(grad, (x,), (t,))[1])(mine(x), mine(t))
+        expected = jax.jvp(jax.grad(reference), (jnp.asarray(x),), (jnp.asarray(t),))[1]
+        np.testing.assert_allclose(concat_blocks(hvp, comm), expected, rtol=1e-11, atol=1e-13)
 
 
 def test_sparse_rows_local_blocks_and_segment_path(comm, rank, size):

@@ -166,9 +166,10 @@ def _bind_wait_discard(marker: Any, *, comm: Communicator, key: tuple, start: st
 
 
 # Point-to-point requests (comm/nonblocking_p2p.py) register their wait and
-# the JVP of their wait here, by start name.
+# the JVP and transpose of their wait here, by start name.
 _P2P_WAITERS: dict[str, Any] = {}
 _P2P_JVP: dict[str, Any] = {}
+_P2P_TRANSPOSE: dict[str, Any] = {}
 
 
 # --- AD ---------------------------------------------------------------------
@@ -209,6 +210,8 @@ def _wait_jvp(primals, tangents, *, comm, key, start):
 
 
 def _wait_transpose(ct, marker, *, comm, key, start):
+    if start in _P2P_TRANSPOSE:
+        return _P2P_TRANSPOSE[start](ct, marker, comm=comm, key=key, start=start)
     adjoint = _ADJOINT[start]
     ct = _core.instantiate(ct)  # every rank posts the adjoint message, zero or not
     adjoint_marker = _bind_start(adjoint, ct, comm=comm, key=_adjoint_key(key), **_sum_params(adjoint))

@@ -217,6 +217,19 @@ def _wait_if_transpose(ct, marker, active, *, comm, key, start, peer, tag):
     return jnp.reshape(back, aval.shape), None
 
 
+def _p2p_wait_transpose(ct, marker, *, comm, key, start):
+    """The transpose of the plain wait of a message that was not differentiated but is linear.
+
+    ``jax.linear_transpose`` (and a solver's transposed operator) transposes
+    a program traced without JVP: no flag travels, and every rank transposes
+    the same program, so each receiver sends its cotangent back and each
+    sender receives it.
+    """
+    peer, tag = _ROUTES[key]
+    marker_ct, _ = _wait_if_transpose(ct, marker, _one(), comm=comm, key=key, start=start, peer=peer, tag=tag)
+    return (marker_ct,)
+
+
 def _isend_transpose(ct, x, active, *, comm, peer, tag, flagged, key):
     adjoint_key = nb._adjoint_key(key)
     marker = jnp.reshape(_core.instantiate(ct), (*x.aval.shape, 0))
@@ -383,5 +396,6 @@ def _wait_request(request: nb.Request) -> Any:
 
 nb._P2P_WAITERS.update({"isend": _wait_request, "irecv": _wait_request, "irecv_null": _wait_request})
 nb._P2P_JVP.update({"isend": _p2p_wait_jvp, "irecv": _p2p_wait_jvp})
+nb._P2P_TRANSPOSE.update({"isend": _p2p_wait_transpose, "irecv": _p2p_wait_transpose})
 
 __all__ = ["irecv", "isend", "irecv_p", "isend_p", "wait_flag_p", "wait_if_p"]

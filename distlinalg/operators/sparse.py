@@ -4,8 +4,14 @@ Rank r holds rows R_r of A in CSR form and block r of x. A row needs the
 entries of x at its column indices; those owned by other ranks (the halo)
 are found once, at construction, from the column pattern: each rank tells
 every owner which of its entries it needs, and every matvec then moves just
-those entries with one alltoall (blocks padded to the largest request, the
-alltoallv of a fixed-size collective).
+those entries, in one of two ways (``halo=``):
+
+* ``"overlapped"`` (default): one isend/irecv per neighbour, exactly the
+  entries it needs, while the own-column product (the bulk) is computed
+  (comm.overlap); the halo product follows. Derivatives of first order.
+* ``"blocking"``: one alltoall (blocks padded to the largest request, the
+  alltoallv of a fixed-size collective), then the product. Derivatives of
+  every order.
 
 The local product is split in two, so that the bulk never touches the halo:
 
@@ -42,11 +48,15 @@ import numpy as np
 
 from .._mpi import Communicator, resolve_comm
 from ..comm.alltoall import alltoall
+from ..comm.nonblocking_p2p import irecv, isend
+from ..comm.overlap import overlap
 from ._base import LinearOperator
 from ._partition import Partition, partition_of_local_sizes, resolve_partition
 
 _NAME = "distlinalg.operators.sparse_rows"
 _MAX_DIAGONALS = 32  # DIA storage beyond this many offsets unrolls too far
+HALO_MODES = ("overlapped", "blocking")
+_HALO_TAG = 3
 
 
 def _as_csr(matrix: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int]]:
@@ -88,8 +98,12 @@ class HaloPlan(NamedTuple):
     """What one matvec exchanges: static index arrays."""
 
     send_index: np.ndarray  # (size, K) local indices of x to send to each rank
-    send_mask: np.ndarray  # (size, K) which of them are real (not padding)
+    send_mask: np.ndarray  # (size, K) which of them are real (not padding), a prefix of each row
     width: int  # K; 0 when no rank needs anything from another
+    recv_counts: np.ndarray  # (size,) entries this rank receives from each rank (≤ K)
+
+    def send_count(self, q: int) -> int:
+        return int(self.send_mask[q].sum())
 
 
 def _plan_halo(indices: np.ndarray, columns: Partition,
@@ -115,7 +129,8 @@ def _plan_halo(indices: np.ndarray, columns: Partition,
     local_cols = np.empty_like(indices)
     local_cols[own] = indices[own] - first
     if width == 0:
-        return HaloPlan(np.zeros((comm.size, 0), np.int64), np.zeros((comm.size, 0), bool), 0), own, local_cols
+        empty = HaloPlan(np.zeros((comm.size, 0), np.int64), np.zeros((comm.size, 0), bool), 0, counts)
+        return empty, own, local_cols
     requests = np.full((comm.size, width), -1, np.int64)
     slot_of_needed = np.empty(needed.size, np.int64)
     for q in range(comm.size):
@@ -124,7 +139,7 @@ def _plan_halo(indices: np.ndarray, columns: Partition,
         slot_of_needed[mine] = q * width + np.arange(mine.size)
     asked = _exchange_requests(requests, comm)
     local_cols[~own] = slot_of_needed[np.searchsorted(needed, indices[~own])]
-    plan = HaloPlan(np.where(asked >= 0, asked, 0), asked >= 0, width)
+    plan = HaloPlan(np.where(asked >= 0, asked, 0), asked >= 0, width, counts)
     return plan, own, local_cols
 
 
@@ -233,6 +248,7 @@ class SparseRowsOperator(LinearOperator):
         dtype = data.dtype
         super().__init__(
             functools.partial(_sparse_matvec, pattern=pattern, comm=comm),
+            transpose=functools.partial(_sparse_transpose, pattern=pattern, comm=comm),
             # (values in CSR order, values laid out for the product): the
             # layout is a gather, done here once rather than in every matvec.
             data=(data, pattern.local_values(data)),
@@ -264,15 +280,55 @@ class SparseRowsOperator(LinearOperator):
                                   hermitian=self.hermitian, comm=self.comm)
 
 
-def _sparse_matvec(values: tuple, x: Any, *, pattern: "_Pattern", comm: Communicator) -> Any:
-    """(A x)_r from the laid-out values: one alltoall of the halo entries."""
+def _sparse_matvec(values: tuple, x: Any, *, pattern: "_Pattern", comm: Communicator, blocking: bool = False) -> Any:
+    """(A x)_r from the laid-out values, the halo entries exchanged as `pattern.halo_mode` says."""
     x = jnp.asarray(x)
     plan = pattern.plan
-    received = None
-    if plan.width:  # a collective: every rank takes part, halo or not
+    own_values, halo_values = values[1]
+    if not plan.width:  # no rank needs anything from another
+        return pattern.own.product(own_values, x)
+    if blocking or pattern.halo_mode == "blocking":  # a collective: every rank takes part, halo or not
         outgoing = jnp.where(plan.send_mask, x[plan.send_index], jnp.zeros((), x.dtype))
         received = alltoall(outgoing, comm=comm).reshape(-1)
-    return pattern.local_product(values[1], x, received)
+        return pattern.add_halo_product(halo_values, pattern.own.product(own_values, x), received)
+    received, y = _exchange_while(lambda x: pattern.own.product(own_values, x), x, plan, comm)
+    return pattern.add_halo_product(halo_values, y, received)
+
+
+def _sparse_transpose(values: tuple, w: Any, *, pattern: "_Pattern", comm: Communicator) -> Any:
+    """(Aᵀ w)_r: the transpose of the matvec with the blocking exchange (the alltoall's
+    transpose sends the halo cotangents back), whichever the halo mode.
+
+    Not the overlapped exchange: transposed on its own (jax.linear_transpose,
+    no JVP), a point-to-point message cannot tell its sender whether the
+    returning cotangent is batched, and ``.T.to_dense()`` maps it over a basis.
+    """
+    structure = jax.ShapeDtypeStruct((pattern.columns.size_of(comm.rank),), values[0].dtype)
+    matvec = functools.partial(_sparse_matvec, values, pattern=pattern, comm=comm, blocking=True)
+    (result,) = jax.linear_transpose(matvec, structure)(jnp.asarray(w, values[0].dtype))
+    return result
+
+
+def _exchange_while(own_product: Any, x: jax.Array, plan: HaloPlan, comm: Communicator) -> tuple[jax.Array, Any]:
+    """(the halo entries in the (size·K,) layout of the blocking exchange, own_product(x)),
+    the product computed while the entries travel: one message per neighbour, unpadded."""
+    width = plan.width
+    # Receive templates: zeros that depend on x (the sum of none of its
+    # entries), so a receive is differentiated exactly when the sends are.
+    zero = jnp.sum(x[:0])
+    receives, senders = [], []
+    for q in range(comm.size):
+        if plan.recv_counts[q]:
+            template = jnp.zeros((int(plan.recv_counts[q]),), x.dtype) + zero
+            receives.append(irecv(template, q, tag=_HALO_TAG, comm=comm))
+            senders.append(q)
+    sends = [isend(x[plan.send_index[q, : plan.send_count(q)]], q, tag=_HALO_TAG, comm=comm)
+             for q in range(comm.size) if plan.send_count(q)]
+    arrived, y = overlap(receives + sends, own_product, x)
+    blocks = [jnp.zeros((width,), x.dtype)] * comm.size
+    for q, piece in zip(senders, arrived):
+        blocks[q] = jnp.pad(piece, (0, width - piece.shape[0]))
+    return jnp.concatenate(blocks), y
 
 
 def _sparse_diagonal(values: tuple, *, pattern: "_Pattern", rank: int) -> jax.Array:
@@ -297,7 +353,8 @@ class _Pattern:
     """
 
     def __init__(self, indices: np.ndarray, indptr: np.ndarray, rows: Partition, columns: Partition,
-                 comm: Communicator):
+                 comm: Communicator, halo_mode: str = "overlapped"):
+        self.halo_mode = halo_mode
         self.indices, self.indptr = indices, indptr
         self.rows, self.columns = rows, columns
         self.nnz = int(indices.size)
@@ -327,11 +384,9 @@ class _Pattern:
         padded = jnp.concatenate([data, jnp.zeros((1,), data.dtype)])
         return self.own.values(padded), None if self.halo is None else self.halo.values(padded)
 
-    def local_product(self, values: tuple[jax.Array, Any], x: jax.Array, received: Any) -> jax.Array:
-        """This rank's rows (m_r,) times x: own block · x_r (m_r,) plus halo block ·
-        received (size·K,), the latter added into the rows `halo_rows`."""
-        own_values, halo_values = values
-        y = self.own.product(own_values, x)
+    def add_halo_product(self, halo_values: Any, y: jax.Array, received: jax.Array) -> jax.Array:
+        """y (the own block · x_r, (m_r,)) plus the halo block · received (size·K,),
+        the latter added into the rows `halo_rows`."""
         if self.halo is None:
             return y
         h = self.halo.product(halo_values, received)
@@ -349,6 +404,7 @@ def sparse_rows(
     data: Any = None,
     symmetric: bool = False,
     hermitian: bool = False,
+    halo: str = "overlapped",
     comm: Any = None,
 ) -> SparseRowsOperator:
     """A sparse matrix split across ranks by rows, sharded layout.
@@ -369,13 +425,17 @@ def sparse_rows(
         order of :attr:`SparseRowsOperator.local_csr`); may be traced, so the
         operator can be differentiated with respect to its entries.
       symmetric, hermitian: declare Aᵀ = A / Aᴴ = A (not checked).
+      halo: "overlapped" (default: one isend/irecv per neighbour rank while
+        the own-column product is computed; derivatives of first order) or
+        "blocking" (one alltoall, then the product; derivatives of every
+        order, e.g. Hessians through the matvec).
       comm: communicator (default distlinalg's).
 
     Returns:
-      A :class:`SparseRowsOperator` x_r ↦ (A x)_r: one alltoall of the halo
-      entries (only those the column pattern needs) per matvec, none on one
-      rank or for block-diagonal patterns. ``.T`` transposes the matvec
-      (the alltoall's transpose sends the halo cotangents back);
+      A :class:`SparseRowsOperator` x_r ↦ (A x)_r: the halo entries (only
+      those the column pattern needs) move once per matvec, not at all on
+      one rank or for block-diagonal patterns. ``.T`` transposes the matvec
+      (the transposed exchange sends the halo cotangents back);
       ``diagonal()`` for square matrices; ``with_data`` reuses the pattern.
       ``.pattern.format`` names the storage of this rank's own-column block
       (the bulk: ``"dia"``, ``"ell"`` or ``"segment"``), and
@@ -385,6 +445,8 @@ def sparse_rows(
     at construction (also inside a jit trace).
     """
     comm = resolve_comm(comm)
+    if halo not in HALO_MODES:
+        raise ValueError(f"{_NAME}: halo must be one of {HALO_MODES}, got {halo!r}")
     values, indices, indptr, shape = _as_csr(matrix)
     m, n = shape
     if local:
@@ -407,7 +469,7 @@ def sparse_rows(
     # the row partition: n comes from this rank's matrix.
     columns = resolve_partition(rows if column_partition is None and rows.total == n else column_partition,
                                 n, comm, "column_partition")
-    pattern = _Pattern(indices, indptr, rows, columns, comm)
+    pattern = _Pattern(indices, indptr, rows, columns, comm, halo)
     return SparseRowsOperator(
         data=values if data is None else data, pattern=pattern, symmetric=symmetric, hermitian=hermitian, comm=comm
     )

@@ -3,8 +3,17 @@
 The n×n interior grid of the unit square (Dirichlet boundary, unscaled: 4
 on the diagonal, -1 for each of the four neighbours) is split into blocks
 of whole grid rows; a matvec needs one grid row from the block above and
-one from the block below, which two sendrecvs deliver (the ends of the
-chain talk to PROC_NULL). The standard Krylov benchmark problem.
+one from the block below (the ends of the chain talk to PROC_NULL). The
+standard Krylov benchmark problem.
+
+Two ways to exchange the halo rows, chosen by ``halo=``:
+
+* ``"overlapped"``: isend/irecv of the two boundary rows, the interior
+  stencil computed while they travel (comm.overlap), the halo rows added
+  into the first and last row when they have arrived. Derivatives of first
+  order (forward and reverse; the solvers need no more).
+* ``"blocking"``: two sendrecvs, then the stencil. Derivatives of every
+  order.
 """
 
 from __future__ import annotations
@@ -16,24 +25,33 @@ import jax
 import jax.numpy as jnp
 
 from .._mpi import MPI, Communicator, resolve_comm
+from ..comm.nonblocking_p2p import irecv, isend
+from ..comm.overlap import overlap
 from ..comm.p2p import sendrecv
 from ._base import LinearOperator
 from ._partition import Partition, resolve_partition
 
 
-def _stencil(u: jax.Array, above: jax.Array, below: jax.Array) -> jax.Array:
-    """4u − the four neighbours; `above`/`below` are the grid rows beyond the block.
+HALO_MODES = ("overlapped", "blocking")
 
-    The block's own stencil with zero rows beyond it, then the two halo rows
-    subtracted from its first and last row in place. Concatenating the halo
-    rows onto the block instead made XLA's CPU backend materialise the shifted
-    copies and run the stencil on one thread (cg took 2x as long per iteration).
+
+def _interior_stencil(u: jax.Array) -> jax.Array:
+    """4u − the four neighbours, with zero grid rows beyond the block.
+
+    The halo rows are subtracted from the first and last row afterwards, in
+    place (_add_halo). Concatenating them onto the block instead made XLA's
+    CPU backend materialise the shifted copies and run the stencil on one
+    thread (cg took 2x as long per iteration).
     """
     up = jnp.pad(u[:-1], ((1, 0), (0, 0)))
     down = jnp.pad(u[1:], ((0, 1), (0, 0)))
     left = jnp.pad(u[:, :-1], ((0, 0), (1, 0)))
     right = jnp.pad(u[:, 1:], ((0, 0), (0, 1)))
-    inner = 4 * u - up - down - left - right
+    return 4 * u - up - down - left - right
+
+
+def _add_halo(inner: jax.Array, above: jax.Array, below: jax.Array) -> jax.Array:
+    """The neighbours beyond the block: −(row above) in the first row, −(row below) in the last."""
     return inner.at[0].add(-above).at[-1].add(-below)
 
 
@@ -41,7 +59,7 @@ class Laplacian2D(LinearOperator):
     """The matrix-free 2-D Laplacian of :func:`laplacian_2d` (rank's block of grid rows).
 
     Pytree: no children (the operator has no arrays). Its static part is
-    (n, the grid-row partition, dtype, communicator), compared by value, so
+    (n, the grid-row partition, dtype, communicator, halo mode), compared by value, so
     every ``laplacian_2d(n)`` of the same arguments has the same tree
     definition and a jitted function taking it compiles once. Rebuilding it
     from that part neither computes nor communicates (the partition was
@@ -50,6 +68,7 @@ class Laplacian2D(LinearOperator):
     Attributes:
       n: grid points per side.
       grid_rows: this rank's grid rows (s_r, s_{r+1}).
+      halo: "overlapped" or "blocking" (module docstring).
 
     Example::
 
@@ -57,7 +76,7 @@ class Laplacian2D(LinearOperator):
         x = jax.jit(lambda A, b: distlinalg.cg(A, b)[0])(A, b)
     """
 
-    def __init__(self, n: int, grid_rows: Partition, dtype: Any, comm: Communicator):
+    def __init__(self, n: int, grid_rows: Partition, dtype: Any, comm: Communicator, halo: str = "overlapped"):
         rank = comm.rank
         mine = grid_rows.size_of(rank)
         holders = [r for r in range(comm.size) if grid_rows.size_of(r) > 0]
@@ -67,7 +86,7 @@ class Laplacian2D(LinearOperator):
             down = holders[position + 1] if position + 1 < len(holders) else MPI.PROC_NULL
         else:
             up = down = MPI.PROC_NULL
-        geometry = _Geometry(n, mine, up, down, comm)
+        geometry = _Geometry(n, mine, up, down, comm, halo)
         super().__init__(
             functools.partial(_laplacian_matvec, geometry=geometry),
             # Bound to an empty tuple, not a closure: nothing is a child, and
@@ -82,9 +101,10 @@ class Laplacian2D(LinearOperator):
             comm=comm,
             name="Laplacian2D",
         )
-        self._static_key = (n, grid_rows, jnp.dtype(dtype), comm)
+        self._static_key = (n, grid_rows, jnp.dtype(dtype), comm, halo)
         self.grid_rows = (grid_rows.starts[rank], grid_rows.starts[rank + 1])
         self.n = n
+        self.halo = halo
 
     def _tree_flatten(self) -> tuple[tuple[()], tuple]:
         return (), self._static_key
@@ -100,23 +120,51 @@ class _Geometry(NamedTuple):
     up: int  # the rank holding the rows above (or PROC_NULL)
     down: int
     comm: Communicator
+    halo: str  # "overlapped" or "blocking"
+
+
+# Tags: a block's last row travels down as its neighbour's row above (tag 1),
+# its first row up as its neighbour's row below (tag 2).
+_ABOVE_TAG, _BELOW_TAG = 1, 2
 
 
 def _laplacian_matvec(_: tuple, v: Any, *, geometry: _Geometry) -> Any:
-    n, mine, up, down, comm = geometry
+    n, mine, up, down, comm, halo = geometry
     v = jnp.asarray(v)
     if not mine:
         return v
     u = v.reshape(mine, n)
-    boundary = jnp.zeros((n,), v.dtype)
-    # My last row goes down and my first row goes up; what arrives is
-    # the row just above (from `up`) and just below (from `down`).
-    above = sendrecv(u[-1], boundary, up, down, sendtag=1, recvtag=1, comm=comm)
-    below = sendrecv(u[0], boundary, down, up, sendtag=2, recvtag=2, comm=comm)
-    return _stencil(u, above, below).reshape(-1)
+    if halo == "blocking":
+        boundary = jnp.zeros((n,), v.dtype)
+        above = sendrecv(u[-1], boundary, up, down, sendtag=_ABOVE_TAG, recvtag=_ABOVE_TAG, comm=comm)
+        below = sendrecv(u[0], boundary, down, up, sendtag=_BELOW_TAG, recvtag=_BELOW_TAG, comm=comm)
+        return _add_halo(_interior_stencil(u), above, below).reshape(-1)
+    above, below, inner = _overlapped_halo(u, geometry)
+    return _add_halo(inner, above, below).reshape(-1)
 
 
-def laplacian_2d(n: int, *, row_partition: Any = None, dtype: Any = None, comm: Any = None) -> Laplacian2D:
+def _overlapped_halo(u: jax.Array, geometry: _Geometry) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(row above, row below, interior stencil), the stencil computed while the rows travel."""
+    n, _, up, down, comm, _ = geometry
+    zeros = jnp.zeros((n,), u.dtype)
+    receives, sends = [], []
+    # Receive templates are boundary rows of u: their values are overwritten,
+    # and they make the receives differentiated exactly when the sends are.
+    if up != MPI.PROC_NULL:
+        receives.append(irecv(u[0], up, tag=_ABOVE_TAG, comm=comm))
+        sends.append(isend(u[0], up, tag=_BELOW_TAG, comm=comm))
+    if down != MPI.PROC_NULL:
+        receives.append(irecv(u[-1], down, tag=_BELOW_TAG, comm=comm))
+        sends.append(isend(u[-1], down, tag=_ABOVE_TAG, comm=comm))
+    arrived, inner = overlap(receives + sends, _interior_stencil, u)
+    above = arrived.pop(0) if up != MPI.PROC_NULL else zeros
+    below = arrived.pop(0) if down != MPI.PROC_NULL else zeros
+    return above, below, inner
+
+
+def laplacian_2d(
+    n: int, *, row_partition: Any = None, dtype: Any = None, halo: str = "overlapped", comm: Any = None
+) -> Laplacian2D:
     """The 2-D 5-point Laplacian on an n×n grid, grid rows split across ranks.
 
     Args:
@@ -125,6 +173,10 @@ def laplacian_2d(n: int, *, row_partition: Any = None, dtype: Any = None, comm: 
       row_partition: grid rows per rank (default an even split, the first
         n % P ranks one row more); must add up to n.
       dtype: of the vectors (default float64 with x64 enabled, else float32).
+      halo: "overlapped" (default: isend/irecv of the boundary rows while
+        the interior stencil is computed; derivatives of first order) or
+        "blocking" (two sendrecvs before the stencil; derivatives of every
+        order, e.g. Hessians of a loss through the matvec).
       comm: communicator (default distlinalg's).
 
     Returns:
@@ -132,7 +184,7 @@ def laplacian_2d(n: int, *, row_partition: Any = None, dtype: Any = None, comm: 
       holds grid rows [s_r, s_{r+1}) in row-major order, a vector of shape
       ((s_{r+1} − s_r)·n,) — the rows of the matrix
       ``kron(I, T) + kron(T, I)``, T = tridiag(−1, 2, −1), that rank owns.
-      Two sendrecvs of n entries per matvec; ``diagonal()`` is 4.
+      Two messages of n entries each way per matvec; ``diagonal()`` is 4.
       ``op.grid_rows`` is this rank's (s_r, s_{r+1}).
 
     Every rank must build it together (the partition is checked across
@@ -149,5 +201,7 @@ def laplacian_2d(n: int, *, row_partition: Any = None, dtype: Any = None, comm: 
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"distlinalg.operators.laplacian_2d: n must be a positive int, got {n!r}")
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(float)
+    if halo not in HALO_MODES:
+        raise ValueError(f"distlinalg.operators.laplacian_2d: halo must be one of {HALO_MODES}, got {halo!r}")
     grid_rows: Partition = resolve_partition(row_partition, n, comm, "row_partition")
-    return Laplacian2D(n, grid_rows, dtype, comm)
+    return Laplacian2D(n, grid_rows, dtype, comm, halo)

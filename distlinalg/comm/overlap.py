@@ -1,0 +1,163 @@
+"""Computation pinned between the start and the wait of non-blocking operations.
+
+``iallreduce``/``iallgather``/``isend``/``irecv`` and ``wait`` are ordered
+among themselves, but XLA places pure computation wherever its data allows:
+work that does not read a request's result may run before the start or after
+the wait, and then nothing overlaps. (A request's markers cannot tie it: they
+hold no data, and XLA folds zero-element arrays into constants.)
+
+:func:`overlap` ties the work to the communication with ``fence``, the
+identity on arrays that is ordered with the MPI operations:
+
+  start(s) → fence(args) → fn(args) → fence(outs) → wait(s)
+
+In the compiled program a fence is a custom call that reads its arrays and
+hands the MPI effect's token on, so every distlinalg operation after it
+waits for them: the waits run after `fn` has computed its outputs. The
+arrays pass by as they are (nothing is copied) and the call does nothing at
+run time, on the CPU and on GPUs. (An ``optimization_barrier`` would not do:
+XLA's CPU pipeline removes barriers before it schedules.) That the starts
+run before `fn` is left to XLA's scheduler, which issues a start as soon as
+its operand is ready in the programs checked here (tests/test_overlap.py
+reads the compiled schedule); a data dependency could force it only by
+copying `fn`'s inputs.
+
+AD: a fence is the identity on arrays. Its JVP fences the primals and the
+tangents separately; its transpose fences the cotangents. In reverse mode
+the transposed first fence reads the cotangents of `fn`'s inputs, so the
+transposed start (the wait for the adjoint message) runs after `fn`'s
+backward pass, and the transposed wait (the adjoint message's start) comes
+before it in program order.
+vmap: batched arrays pass through as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from .. import _compat, _mpi
+from . import _core
+from ._core import ad, batching
+from .nonblocking import Request, wait
+
+# ---------------------------------------------------------------------------
+# fence: arrays -> the same arrays, ordered with the MPI operations.
+fence_p = Primitive("distlinalg_fence")
+fence_p.multiple_results = True
+fence_p.def_effectful_abstract_eval(lambda *avals: (list(avals), {_core.mpi_effect}))
+# Eagerly (and in jax.jvp of eager code) operations run one after the other
+# in program order already: the fence has nothing to do.
+fence_p.def_impl(lambda *xs: list(xs))
+
+
+def _fence_lowering(ctx: Any, *xs: Any) -> Sequence[Any]:
+    # The handler (csrc/nonblocking.cc) reads the arrays and hands the token
+    # on; the arrays themselves pass by as they are (no copy, no aliasing).
+    # (An optimization_barrier would not do: XLA's CPU pipeline removes
+    # barriers before it schedules.)
+    sub = _compat.replace_lowering_avals(ctx, [_compat.abstract_token, *ctx.avals_in], [_compat.abstract_token])
+    rule = jax.ffi.ffi_lowering("distlinalg_fence", has_side_effect=True)
+    (token_out,) = rule(sub, _compat.token_in(ctx, _core.mpi_effect), *xs)
+    _compat.set_token_out(ctx, _core.mpi_effect, token_out)
+    return xs
+
+
+def _fence_jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list, list]:
+    # Two fences, not one: the primal fence stays in the forward pass when
+    # JAX splits a linearised program, the tangent fence becomes the
+    # cotangents' fence of the backward pass.
+    outs = fence_p.bind(*primals)
+    present = [i for i, t in enumerate(tangents) if not isinstance(t, ad.Zero)]
+    fenced = fence_p.bind(*(tangents[i] for i in present)) if present else []
+    out_tangents = list(tangents)
+    for i, t in zip(present, fenced):
+        out_tangents[i] = t
+    return outs, out_tangents
+
+
+def _fence_transpose(cts: Sequence[Any], *xs: Any) -> list:
+    linear = [i for i, x in enumerate(xs) if _core.is_undefined(x)]
+    fenced = fence_p.bind(*(_core.instantiate(cts[i]) for i in linear)) if linear else []
+    result: list = [None] * len(xs)
+    for i, ct in zip(linear, fenced):
+        result[i] = ct
+    return result
+
+
+def _fence_batch(args: Sequence[Any], dims: Sequence[Any]) -> tuple[list, Sequence[Any]]:
+    return fence_p.bind(*args), dims
+
+
+for _platform in ("cpu", "cuda") if _mpi.BUILD_INFO["cuda"] else ("cpu",):
+    mlir.register_lowering(fence_p, _fence_lowering, platform=_platform)
+ad.primitive_jvps[fence_p] = _fence_jvp
+ad.primitive_transposes[fence_p] = _fence_transpose
+batching.primitive_batchers[fence_p] = _fence_batch
+
+
+def fence(tree: Any) -> Any:
+    """`tree` (a pytree of arrays), ordered with the MPI operations.
+
+    Computation on the result runs after every distlinalg operation traced
+    before the fence, and every distlinalg operation traced after the fence
+    runs after `tree` has been computed. The identity on values and
+    derivatives; nothing is copied. Eagerly a no-op.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not leaves or _compat.at_top_level():
+        return tree
+    leaves = [_core.as_array(leaf) for leaf in leaves]
+    return jax.tree_util.tree_unflatten(treedef, fence_p.bind(*leaves))
+
+
+def overlap(requests: Request | Sequence[Request], fn: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
+    """``(wait(requests), fn(*args))``, with `fn` running while the requests are under way.
+
+    Args:
+      requests: a :class:`~distlinalg.comm.Request` or a list/tuple of them
+        (from iallreduce, iallgather, isend, irecv), started and not yet
+        waited for.
+      fn: the computation to hide the communication behind; it must not need
+        the requests' results.
+      *args: `fn`'s arguments (pytrees of arrays).
+
+    Returns:
+      ``(results, out)``: what ``wait`` returns for each request (a list for
+      a list of requests), and ``fn(*args)``.
+
+    Under jit, `fn` is pinned between the starts and the waits (module
+    docstring): without this, XLA may run it before the starts or after the
+    waits. Whether the message then moves during `fn` depends on the MPI
+    library's progress (README, "Overlapping communication"). Eagerly the
+    operations run in program order anyway.
+
+    AD: as the operations and `fn` (forward and reverse mode; in reverse mode
+    `fn`'s backward pass runs while the adjoint messages are under way).
+    vmap: as the operations and `fn`.
+
+    Example (the heart of a pipelined CG)::
+
+        request = dl.comm.iallreduce(jnp.stack([jnp.vdot(r, r), jnp.vdot(w, r)]))
+        (dots, q) = dl.comm.overlap(request, lambda w: A @ w, w)
+    """
+    single = isinstance(requests, Request)
+    listed = [requests] if single else list(requests)
+    for request in listed:
+        if not isinstance(request, Request):
+            raise TypeError(
+                "distlinalg.comm.overlap: expected a Request or a list of Requests (from iallreduce, iallgather, "
+                f"isend or irecv), got {type(request).__name__}"
+            )
+    # The fenced `out` is returned, so its cotangent passes the second fence
+    # in the backward pass (pinned after the adjoint starts) too.
+    out = fence(fn(*fence(args)))
+    results = [wait(request) for request in listed]
+    return (results[0] if single else results), out
+
+
+__all__ = ["fence", "fence_p", "overlap"]
