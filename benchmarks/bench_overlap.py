@@ -1,28 +1,32 @@
-"""How much of a non-blocking allreduce hides behind computation, in one run.
+"""Communication hidden behind computation: non-blocking vs blocking, in one run.
 
-    mpiexec -n 2 python benchmarks/bench_overlap.py [--bytes 16777216] [--work 1024] [--repeats 7]
+    mpiexec -n 2 python benchmarks/bench_overlap.py                 # all three parts
+    mpiexec -n 4 python benchmarks/bench_overlap.py --parts halo cg --grid 256
     MPIR_CVAR_ASYNC_PROGRESS=1 mpiexec -n 2 python benchmarks/bench_overlap.py   # MPICH progress thread
 
-Four jitted programs on the same data, interleaved, median time of each:
-  comm        allreduce(x) alone
-  compute     the work alone: `--work`² matmuls, chained (independent of x)
-  blocking    allreduce(x), then the work
-  overlapped  iallreduce(x), the work, wait
-hidden = (blocking − overlapped) / min(comm, compute): the share of the
-shorter of the two that the overlap saved (0: none, 1: all). MPI moves a
-non-blocking message only inside MPI calls unless the library runs a
-progress thread: MPICH's is MPIR_CVAR_ASYNC_PROGRESS=1 (it needs
-MPI_THREAD_MULTIPLE, which distlinalg requests, and one more busy thread per
-rank, so give each rank a spare core). Without it the data moves at the wait
-and `hidden` stays near 0, except for messages small enough to go eagerly.
+Three parts, each a set of jitted programs on the same data, interleaved,
+median time of each:
 
-XLA's schedule matters too: distlinalg's operations are ordered among
-themselves, but XLA may place pure work on either side of a start or a wait
-(on the CPU, jax 0.10, the wait of `overlapped` lands between the matmuls).
-The zero-byte request markers do not pin it: XLA folds zero-element arrays
-into constants, so an optimization_barrier on them has no effect. Pinning
-needs a real (scalar) dependency out of the start and into the wait: open
-work in issue 20.
+allreduce  a `--bytes` allreduce and `--steps` matmuls of side `--work`:
+           comm (the allreduce alone), compute (the work alone), blocking
+           (allreduce, then the work), overlapped (iallreduce, the work
+           pinned between start and wait by comm.overlap) and unpinned (the
+           same written without overlap: XLA places the work where it likes).
+           hidden = (blocking − overlapped) / min(comm, compute), the share
+           of the shorter of the two that the overlap saved (0: none, 1: all).
+halo       `--matvecs` matvecs of laplacian_2d(`--grid`) in a fori_loop,
+           halo="blocking" (two sendrecvs, then the stencil) vs "overlapped"
+           (isend/irecv while the interior stencil runs).
+cg         `--iterations` iterations of cg on the same operator (overlapped
+           halo), method="standard" (two blocking allreduces per iteration) vs
+           "pipelined" (one iallreduce, in flight during the matvec).
+
+MPI moves a non-blocking message only inside MPI calls unless the library
+runs a progress thread (MPICH: MPIR_CVAR_ASYNC_PROGRESS=1; it needs
+MPI_THREAD_MULTIPLE, which distlinalg requests, and one more busy thread per
+rank, so give each rank a spare core). Without it a large message moves at
+the wait; small messages (halo rows, CG's scalars) go eagerly and the
+overlap hides their latency and the ranks' skew instead.
 """
 
 from __future__ import annotations
@@ -34,25 +38,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _util import alternate, median, timed_once, write_json  # noqa: E402
+from _util import alternate, timed_once, write_json  # noqa: E402
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--bytes", type=int, default=16 << 20, help="allreduce message, bytes (float32)")
-    parser.add_argument("--work", type=int, default=768, help="matrix side of the work between start and wait")
-    parser.add_argument("--steps", type=int, default=4, help="matmuls in the work")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--json")
-    args = parser.parse_args()
-
-    import jax
-    import jax.numpy as jnp
-    from mpi4py import MPI
-
-    import distlinalg as dl
-
-    comm = MPI.COMM_WORLD
+def allreduce_part(args, jax, jnp, dl, comm):
     x = jnp.ones(max(1, args.bytes // 4), jnp.float32)
     w = jnp.eye(args.work, dtype=jnp.float32) * 0.5 + 0.01
 
@@ -61,34 +50,104 @@ def main() -> None:
             m = jnp.tanh(m @ w)
         return m
 
+    def unpinned(x, m):
+        request = dl.comm.iallreduce(x)
+        out = work(m)
+        return dl.comm.wait(request), out
+
     programs = {
         "comm": jax.jit(lambda x, m: (dl.comm.allreduce(x), m)),
         "compute": jax.jit(lambda x, m: (x, work(m))),
         "blocking": jax.jit(lambda x, m: (dl.comm.allreduce(x), work(m))),
-        "overlapped": jax.jit(lambda x, m: (lambda r: (lambda out: (dl.comm.wait(r), out))(work(m)))(
-            dl.comm.iallreduce(x))),
+        "overlapped": jax.jit(lambda x, m: dl.comm.overlap(dl.comm.iallreduce(x), work, m)),
+        "unpinned": jax.jit(unpinned),
     }
-    for program in programs.values():
-        jax.block_until_ready(program(x, w))  # compile outside the measurement
-
-    def timed(program):
-        return lambda: timed_once(lambda: jax.block_until_ready(program(x, w)), comm)
-
-    seconds = alternate({name: timed(p) for name, p in programs.items()}, args.repeats)
+    seconds = measure(programs, (x, w), args.repeats, jax, comm)
     shorter = min(seconds["comm"], seconds["compute"])
     hidden = (seconds["blocking"] - seconds["overlapped"]) / shorter if shorter > 0 else float("nan")
-    if comm.Get_rank() == 0:
-        progress = os.environ.get("MPIR_CVAR_ASYNC_PROGRESS", "0")
-        print(f"{comm.Get_size()} ranks, allreduce {args.bytes} B, work {args.steps}×{args.work}² matmul; "
-              f"MPIR_CVAR_ASYNC_PROGRESS={progress}")
-        print("| comm ms | compute ms | blocking ms | overlapped ms | hidden |")
-        print("|---:|---:|---:|---:|---:|")
-        print(f"| {seconds['comm'] * 1e3:.2f} | {seconds['compute'] * 1e3:.2f} | {seconds['blocking'] * 1e3:.2f} | "
-              f"{seconds['overlapped'] * 1e3:.2f} | {hidden:.2f} |")
-        if args.json:
-            write_json(args.json, {"bench": "overlap", "ranks": comm.Get_size(), "bytes": args.bytes,
-                                   "work": args.work, "steps": args.steps, "async_progress": progress,
-                                   "seconds": seconds, "hidden": hidden})
+    title = f"allreduce {args.bytes} B, {args.steps} matmuls of {args.work}²"
+    return title, seconds, {"hidden": hidden}
+
+
+def halo_part(args, jax, jnp, dl, comm):
+    operators = {halo: dl.operators.laplacian_2d(args.grid, halo=halo, dtype=jnp.float64)
+                 for halo in ("blocking", "overlapped")}
+    v = jnp.ones(operators["blocking"].input_structure.shape, jnp.float64)
+
+    def repeated(A):
+        return jax.jit(lambda v: jax.lax.fori_loop(0, args.matvecs, lambda _, u: 0.25 * (A @ u), v))
+
+    programs = {halo: repeated(A) for halo, A in operators.items()}
+    seconds = measure(programs, (v,), args.repeats, jax, comm)
+    per_matvec = {name: s / args.matvecs for name, s in seconds.items()}
+    title = f"laplacian_2d({args.grid}) matvec, {args.matvecs} per program"
+    return title, per_matvec, {"overlapped / blocking": per_matvec["overlapped"] / per_matvec["blocking"]}
+
+
+def cg_part(args, jax, jnp, dl, comm):
+    A = dl.operators.laplacian_2d(args.grid, dtype=jnp.float64)
+    b = jnp.ones(A.input_structure.shape, jnp.float64)
+
+    def solver(method):
+        # rtol 0: every run does exactly `iterations` iterations.
+        return jax.jit(lambda b: dl.cg(A, b, method=method, rtol=0.0, atol=0.0, maxiter=args.iterations)[1].iterations)
+
+    programs = {method: solver(method) for method in ("standard", "pipelined")}
+    seconds = measure(programs, (b,), args.repeats, jax, comm)
+    per_iteration = {name: s / args.iterations for name, s in seconds.items()}
+    title = f"cg on laplacian_2d({args.grid}), {args.iterations} iterations"
+    return title, per_iteration, {"pipelined / standard": per_iteration["pipelined"] / per_iteration["standard"]}
+
+
+def measure(programs, inputs, repeats, jax, comm):
+    for program in programs.values():
+        jax.block_until_ready(program(*inputs))  # compile outside the measurement
+
+    def timed(program):
+        return lambda: timed_once(lambda: jax.block_until_ready(program(*inputs)), comm)
+
+    return alternate({name: timed(p) for name, p in programs.items()}, repeats)
+
+
+PARTS = {"allreduce": allreduce_part, "halo": halo_part, "cg": cg_part}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
+    parser.add_argument("--bytes", type=int, default=16 << 20, help="allreduce message, bytes (float32)")
+    parser.add_argument("--work", type=int, default=768, help="matrix side of the work between start and wait")
+    parser.add_argument("--steps", type=int, default=4, help="matmuls in the work")
+    parser.add_argument("--grid", type=int, default=128, help="laplacian_2d grid side (halo and cg parts)")
+    parser.add_argument("--matvecs", type=int, default=200)
+    parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    from mpi4py import MPI
+
+    import distlinalg as dl
+
+    comm = MPI.COMM_WORLD
+    progress = os.environ.get("MPIR_CVAR_ASYNC_PROGRESS", "0")
+    results = {}
+    for part in args.parts:
+        title, seconds, ratios = PARTS[part](args, jax, jnp, dl, comm)
+        results[part] = {"title": title, "seconds": seconds, **ratios}
+        if comm.Get_rank() == 0:
+            print(f"\n{comm.Get_size()} ranks, {title}; MPIR_CVAR_ASYNC_PROGRESS={progress}")
+            print("| " + " | ".join(f"{name} ms" for name in seconds) + " | " + " | ".join(ratios) + " |")
+            print("|" + "---:|" * (len(seconds) + len(ratios)))
+            print("| " + " | ".join(f"{s * 1e3:.3f}" for s in seconds.values()) + " | "
+                  + " | ".join(f"{r:.2f}" for r in ratios.values()) + " |")
+    if comm.Get_rank() == 0 and args.json:
+        write_json(args.json, {"bench": "overlap", "ranks": comm.Get_size(), "async_progress": progress,
+                               "args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -256,6 +256,15 @@ ffi::Error Synchronize(CUstream stream) {
   return ffi::Error::Success();
 }
 
+ffi::Error ZeroAsync(CUstream stream, void* dst, size_t bytes) {
+  ffi::Error error = ffi::Error::Success();
+  const Driver* d = DriverOrNull(&error);
+  if (d == nullptr) return error;
+  CUresult rc = d->fill_bytes(DevicePtr(dst), 0, bytes, stream);
+  if (rc != CUDA_SUCCESS) return CudaError("cuMemsetD8Async", rc);
+  return ffi::Error::Success();
+}
+
 ScopedDeviceBufferOps::ScopedDeviceBufferOps(CUstream stream)
     : saved_(ThreadBufferOps()) {
   t_stream = stream;

@@ -43,6 +43,9 @@ std::string DriverStatus();
 // Waits for the work queued on `stream`.
 ffi::Error Synchronize(CUstream stream);
 
+// Queues zeroing `bytes` of device memory at `dst` on `stream`; does not wait.
+ffi::Error ZeroAsync(CUstream stream, void* dst, size_t bytes);
+
 // Host copies of a handler's buffers for one call. Buffers that XLA aliases
 // (an operand handed back as the result) share one host copy, so the
 // implementation sees the same aliasing as on the CPU.

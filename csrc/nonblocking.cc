@@ -420,10 +420,12 @@ ffi::Error WaitIfImpl(ffi::Token, ffi::AnyBuffer, ffi::AnyBuffer active,
 }
 
 // The fence of comm/overlap.py: reads its operands (so XLA schedules it after
-// they are computed) and hands the token on (so every later distlinalg
-// operation runs after it). Nothing to do at run time, on any platform: no
-// stream synchronisation on CUDA either.
-ffi::Error FenceImpl(ffi::Token, ffi::RemainingArgs, ffi::Result<ffi::Token>) {
+// they are computed), hands the token on (so every later distlinalg
+// operation runs after it) and returns a float32 zero that XLA cannot see
+// through (added to arrays, it makes their later uses wait for the fence).
+ffi::Error FenceImpl(ffi::Token, ffi::RemainingArgs, ffi::Result<ffi::Token>,
+                     ffi::Result<ffi::AnyBuffer> zero) {
+  std::memset(zero->untyped_data(), 0, zero->size_bytes());
   return ffi::Error::Success();
 }
 
@@ -486,13 +488,14 @@ DL_DEFINE_STAGED_HANDLERS(DlIrecv, dl::IrecvImpl, DL_IRECV);
 DL_DEFINE_STAGED_HANDLERS(DlWaitFlag, dl::WaitFlagImpl, DL_WAIT_FLAG);
 DL_DEFINE_STAGED_HANDLERS(DlWaitIf, dl::WaitIfImpl, DL_WAIT_IF);
 
-#define DL_FENCE(b) b.Arg<ffi::Token>().RemainingArgs().Ret<ffi::Token>()
+#define DL_FENCE(b) b.Arg<ffi::Token>().RemainingArgs().Ret<ffi::Token>().Ret<ffi::AnyBuffer>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DlFence, dl::FenceImpl, DL_FENCE(ffi::Ffi::Bind()));
 #if defined(DL_WITH_CUDA)
 namespace distlinalg {
-ffi::Error FenceOnStream(CUstream, ffi::Token token, ffi::RemainingArgs args,
-                         ffi::Result<ffi::Token> out) {
-  return FenceImpl(token, args, out);
+// On the stream, without waiting for it: the fence must not stall the GPU.
+ffi::Error FenceOnStream(CUstream stream, ffi::Token, ffi::RemainingArgs, ffi::Result<ffi::Token>,
+                         ffi::Result<ffi::AnyBuffer> zero) {
+  return cuda::ZeroAsync(stream, zero->untyped_data(), zero->size_bytes());
 }
 }  // namespace distlinalg
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DlFenceCuda, dl::FenceOnStream,

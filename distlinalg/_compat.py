@@ -170,6 +170,12 @@ def replace_lowering_avals(ctx: Any, avals_in: Any, avals_out: Any) -> Any:
     return ctx.replace(avals_in=avals_in, avals_out=avals_out)
 
 
+def effect_free_lowering_context(ctx: Any, avals_in: Any, avals_out: Any) -> Any:
+    """A copy of a lowering context for lowering effect-free code inside a rule
+    that sets the tokens itself (no tokens in, none handed out yet)."""
+    return ctx.replace(avals_in=avals_in, avals_out=avals_out, tokens_in=mlir.TokenSet(), tokens_out=None)
+
+
 JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
 

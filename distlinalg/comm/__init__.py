@@ -17,6 +17,7 @@ from .gather import gather, gather_p
 from .info import rank, size
 from .nonblocking import Request, iallgather, iallgather_p, iallreduce, iallreduce_p, wait, wait_p
 from .nonblocking_p2p import irecv, irecv_p, isend, isend_p
+from .overlap import fence_p, overlap
 from .p2p import (
     ANY_SOURCE, ANY_TAG, Status, recv, recv_p, send, send_p, sendrecv, sendrecv_p, sendrecv_status_p,
 )
@@ -29,8 +30,8 @@ __all__ = [
     "PROC_NULL", "ANY_SOURCE", "ANY_TAG", "Status", "Communicator", "ReduceOp", "configure", "rank", "size",
     "allreduce", "reduce", "bcast", "gather", "scatter", "allgather", "reduce_scatter",
     "alltoall", "scan", "exscan", "send", "recv", "sendrecv", "barrier",
-    "iallreduce", "iallgather", "isend", "irecv", "wait", "Request",
+    "iallreduce", "iallgather", "isend", "irecv", "wait", "overlap", "Request",
     "allreduce_p", "reduce_p", "bcast_p", "gather_p", "scatter_p", "allgather_p",
     "reduce_scatter_p", "alltoall_p", "scan_p", "send_p", "recv_p", "sendrecv_p",
-    "sendrecv_status_p", "barrier_p", "iallreduce_p", "iallgather_p", "isend_p", "irecv_p", "wait_p",
+    "sendrecv_status_p", "barrier_p", "iallreduce_p", "iallgather_p", "isend_p", "irecv_p", "wait_p", "fence_p",
 ]

@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -47,50 +49,72 @@ from .nonblocking import Request, wait
 
 # ---------------------------------------------------------------------------
 # fence: arrays -> the same arrays, ordered with the MPI operations.
+#   pass_through=False: the fence reads the arrays; what comes after it in
+#     program order (the next distlinalg operation) waits for them.
+#   pass_through=True: also, the arrays it returns are computed from its
+#     run-time zero (x + 0), so their uses wait for what came before it.
 fence_p = Primitive("distlinalg_fence")
 fence_p.multiple_results = True
-fence_p.def_effectful_abstract_eval(lambda *avals: (list(avals), {_core.mpi_effect}))
+fence_p.def_effectful_abstract_eval(lambda *avals, pass_through: (list(avals), {_core.mpi_effect}))
 # Eagerly (and in jax.jvp of eager code) operations run one after the other
 # in program order already: the fence has nothing to do.
-fence_p.def_impl(lambda *xs: list(xs))
+fence_p.def_impl(lambda *xs, pass_through: list(xs))
 
 
-def _fence_lowering(ctx: Any, *xs: Any) -> Sequence[Any]:
-    # The handler (csrc/nonblocking.cc) reads the arrays and hands the token
-    # on; the arrays themselves pass by as they are (no copy, no aliasing).
-    # (An optimization_barrier would not do: XLA's CPU pipeline removes
-    # barriers before it schedules.)
-    sub = _compat.replace_lowering_avals(ctx, [_compat.abstract_token, *ctx.avals_in], [_compat.abstract_token])
+def _plus(zero: Any, x: Any) -> Any:
+    """x + zero, with a zero XLA cannot fold: x itself (except that −0.0 becomes +0.0)."""
+    if x.dtype == jnp.bool_:
+        return x | (zero != 0)
+    return x + zero.astype(x.dtype)
+
+
+def _fence_lowering(ctx: Any, *xs: Any, pass_through: bool) -> Sequence[Any]:
+    # The handler (csrc/nonblocking.cc) reads the arrays, hands the token on
+    # and writes a float32 zero; it does nothing else, on the CPU and on
+    # GPUs (no stream synchronisation). An optimization_barrier would not
+    # do: XLA's CPU pipeline removes barriers before it schedules.
+    zero_aval = _core.shaped((), np.float32)
+    sub = _compat.replace_lowering_avals(
+        ctx, [_compat.abstract_token, *ctx.avals_in], [_compat.abstract_token, zero_aval]
+    )
     rule = jax.ffi.ffi_lowering("distlinalg_fence", has_side_effect=True)
-    (token_out,) = rule(sub, _compat.token_in(ctx, _core.mpi_effect), *xs)
+    token_out, zero = rule(sub, _compat.token_in(ctx, _core.mpi_effect), *xs)
     _compat.set_token_out(ctx, _core.mpi_effect, token_out)
-    return xs
+    if not pass_through:
+        return xs
+    add = _compat.effect_free_lowering_context(ctx, [zero_aval, *ctx.avals_in], ctx.avals_out)
+    return mlir.lower_fun(lambda z, *xs: [_plus(z, x) for x in xs], multiple_results=True)(add, zero, *xs)
 
 
-def _fence_jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list, list]:
+def _fence_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, pass_through: bool) -> tuple[list, list]:
     # Two fences, not one: the primal fence stays in the forward pass when
     # JAX splits a linearised program, the tangent fence becomes the
     # cotangents' fence of the backward pass.
-    outs = fence_p.bind(*primals)
+    outs = fence_p.bind(*primals, pass_through=pass_through)
     present = [i for i, t in enumerate(tangents) if not isinstance(t, ad.Zero)]
-    fenced = fence_p.bind(*(tangents[i] for i in present)) if present else []
+    fenced = fence_p.bind(*(tangents[i] for i in present), pass_through=pass_through) if present else []
     out_tangents = list(tangents)
     for i, t in zip(present, fenced):
         out_tangents[i] = t
     return outs, out_tangents
 
 
-def _fence_transpose(cts: Sequence[Any], *xs: Any) -> list:
+def _fence_transpose(cts: Sequence[Any], *xs: Any, pass_through: bool) -> list:
+    # Reversed, the roles swap: the fence after a start (pass-through) now
+    # stands before the transposed start, where it must only be read; the
+    # fence before a wait now stands after the transposed wait, where the
+    # cotangents it hands on must wait for it.
     linear = [i for i, x in enumerate(xs) if _core.is_undefined(x)]
-    fenced = fence_p.bind(*(_core.instantiate(cts[i]) for i in linear)) if linear else []
+    cts_in = [_core.instantiate(cts[i]) for i in linear]
+    fenced = fence_p.bind(*cts_in, pass_through=not pass_through) if linear else []
     result: list = [None] * len(xs)
     for i, ct in zip(linear, fenced):
         result[i] = ct
     return result
 
 
-def _fence_batch(args: Sequence[Any], dims: Sequence[Any]) -> tuple[list, Sequence[Any]]:
-    return fence_p.bind(*args), dims
+def _fence_batch(args: Sequence[Any], dims: Sequence[Any], *, pass_through: bool) -> tuple[list, Sequence[Any]]:
+    return fence_p.bind(*args, pass_through=pass_through), dims
 
 
 for _platform in ("cpu", "cuda") if _mpi.BUILD_INFO["cuda"] else ("cpu",):
@@ -100,19 +124,24 @@ ad.primitive_transposes[fence_p] = _fence_transpose
 batching.primitive_batchers[fence_p] = _fence_batch
 
 
-def fence(tree: Any) -> Any:
+def fence(tree: Any, *, pass_through: bool = True) -> Any:
     """`tree` (a pytree of arrays), ordered with the MPI operations.
 
-    Computation on the result runs after every distlinalg operation traced
-    before the fence, and every distlinalg operation traced after the fence
-    runs after `tree` has been computed. The identity on values and
-    derivatives; nothing is copied. Eagerly a no-op.
+    Every distlinalg operation traced after the fence runs after `tree` has
+    been computed; with ``pass_through`` (default), computation on the
+    result also runs after every distlinalg operation traced before the
+    fence. The identity on values (but −0.0 becomes +0.0 with
+    ``pass_through``) and on derivatives. Eagerly a no-op.
+
+    ``pass_through`` costs one elementwise add per array, which XLA fuses
+    into its first use when that is elementwise (a stencil); without it
+    the fence costs nothing at run time.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if not leaves or _compat.at_top_level():
         return tree
     leaves = [_core.as_array(leaf) for leaf in leaves]
-    return jax.tree_util.tree_unflatten(treedef, fence_p.bind(*leaves))
+    return jax.tree_util.tree_unflatten(treedef, fence_p.bind(*leaves, pass_through=pass_through))
 
 
 def overlap(requests: Request | Sequence[Request], fn: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
@@ -153,9 +182,12 @@ def overlap(requests: Request | Sequence[Request], fn: Callable[..., Any], *args
                 "distlinalg.comm.overlap: expected a Request or a list of Requests (from iallreduce, iallgather, "
                 f"isend or irecv), got {type(request).__name__}"
             )
-    # The fenced `out` is returned, so its cotangent passes the second fence
-    # in the backward pass (pinned after the adjoint starts) too.
-    out = fence(fn(*fence(args)))
+    if not listed:  # nothing under way: nothing to order
+        return ([] if not single else None), fn(*args)
+    # The second fence only reads `out` (the waits follow it); `out` itself
+    # is returned through it so that in reverse mode the cotangent passes the
+    # transposed fence, which hands it on after the adjoint messages' starts.
+    out = fence(fn(*fence(args)), pass_through=False)
     results = [wait(request) for request in listed]
     return (results[0] if single else results), out
 

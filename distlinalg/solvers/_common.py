@@ -32,6 +32,7 @@ from .._mpi import Communicator, ReduceOp, resolve_comm
 from ..comm.allgather import allgather
 from ..comm.allreduce import allreduce
 from ..comm.nonblocking import iallreduce, wait
+from ..comm.overlap import overlap
 from ..operators._base import LinearOperator  # operators never import the solvers
 
 LAYOUTS = ("replicated", "sharded")
@@ -269,6 +270,17 @@ class Reductions:
         """The values of a :meth:`start_dots` (waits for its reduction)."""
         values = pending.values if pending.request is None else wait(pending.request)
         return [values[i] for i in range(values.shape[0])]
+
+    def finish_while(self, pending: "PendingDots", work: Callable[..., Any], *args: Any) -> tuple[list[Any], Any]:
+        """``(finish(pending), work(*args))``, `work` computed while the reduction travels.
+
+        Sharded layout: comm.overlap pins `work` between the reduction's
+        start and its wait (XLA would otherwise be free to run the wait first).
+        """
+        if pending.request is None:
+            return self.finish(pending), work(*args)
+        values, out = overlap(pending.request, work, *args)
+        return [values[i] for i in range(values.shape[0])], out
 
     def sum(self, values: Any) -> Any:
         """Σ over ranks of a small vector of local partial sums (sharded layout;

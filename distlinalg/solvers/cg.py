@@ -311,6 +311,10 @@ def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reduct
         rr, k, reason = st[14], st[15], st[16]
         return (reason == Reason.ITERATING) & (k < maxiter) & ~_status(rr, threshold, k)
 
+    def precondition_and_apply(w):                                  # ... while these run:
+        m = precond(w)                                              # m = M w
+        return m, matvec(m)                                         # n = A m
+
     def step(st):
         x, r, u, w, m, n, z, q, s, p, gamma, delta, gamma_old, alpha_old, rr, k, reason, hist = st
         first = k == 0
@@ -332,9 +336,8 @@ def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reduct
         u = C.tree_axpy(-alpha, q, u)                               # u ← u − α q    (= M r)
         w = C.tree_axpy(-alpha, z, w)                               # w ← w − α z    (= A u)
         pending = red.start_dots([(r, u), (w, u), (r, r)])          # γ', δ', ρ' under way ...
-        m = precond(w)                                              # ... while m = M w
-        n = matvec(m)                                               # ... and n = A m run
-        gamma_new, delta_new, rr_new = map(real, red.finish(pending))
+        (gamma_new, delta_new, rr_new), (m, n) = red.finish_while(pending, precondition_and_apply, w)
+        gamma_new, delta_new, rr_new = map(real, (gamma_new, delta_new, rr_new))
         failure = jnp.where(
             failure != Reason.ITERATING, failure,
             jnp.where(~jnp.isfinite(rr_new) | ~jnp.isfinite(gamma_new) | ~jnp.isfinite(delta_new),
