@@ -6,12 +6,12 @@ are found once, at construction, from the column pattern: each rank tells
 every owner which of its entries it needs, and every matvec then moves just
 those entries, in one of two ways (``halo=``):
 
-* ``"overlapped"`` (default): one isend/irecv per neighbour, exactly the
-  entries it needs, while the own-column product (the bulk) is computed
+* ``"blocking"`` (default): one alltoall (blocks padded to the largest
+  request, the alltoallv of a fixed-size collective), then the product.
+  Derivatives of every order.
+* ``"overlapped"``: one isend/irecv per neighbour, exactly the entries it
+  needs, while the own-column product (the bulk) is computed
   (comm.overlap); the halo product follows. Derivatives of first order.
-* ``"blocking"``: one alltoall (blocks padded to the largest request, the
-  alltoallv of a fixed-size collective), then the product. Derivatives of
-  every order.
 
 The local product is split in two, so that the bulk never touches the halo:
 
@@ -353,7 +353,7 @@ class _Pattern:
     """
 
     def __init__(self, indices: np.ndarray, indptr: np.ndarray, rows: Partition, columns: Partition,
-                 comm: Communicator, halo_mode: str = "overlapped"):
+                 comm: Communicator, halo_mode: str = "blocking"):
         self.halo_mode = halo_mode
         self.indices, self.indptr = indices, indptr
         self.rows, self.columns = rows, columns
@@ -404,7 +404,7 @@ def sparse_rows(
     data: Any = None,
     symmetric: bool = False,
     hermitian: bool = False,
-    halo: str = "overlapped",
+    halo: str = "blocking",
     comm: Any = None,
 ) -> SparseRowsOperator:
     """A sparse matrix split across ranks by rows, sharded layout.
@@ -425,10 +425,10 @@ def sparse_rows(
         order of :attr:`SparseRowsOperator.local_csr`); may be traced, so the
         operator can be differentiated with respect to its entries.
       symmetric, hermitian: declare Aᵀ = A / Aᴴ = A (not checked).
-      halo: "overlapped" (default: one isend/irecv per neighbour rank while
-        the own-column product is computed; derivatives of first order) or
-        "blocking" (one alltoall, then the product; derivatives of every
-        order, e.g. Hessians through the matvec).
+      halo: "blocking" (default: one alltoall, then the product;
+        derivatives of every order, e.g. Hessians through the matvec) or
+        "overlapped" (one isend/irecv per neighbour rank while the
+        own-column product is computed; derivatives of first order).
       comm: communicator (default distlinalg's).
 
     Returns:

@@ -8,12 +8,14 @@ standard Krylov benchmark problem.
 
 Two ways to exchange the halo rows, chosen by ``halo=``:
 
+* ``"blocking"`` (default): two sendrecvs, then the stencil. Derivatives
+  of every order.
 * ``"overlapped"``: isend/irecv of the two boundary rows, the interior
   stencil computed while they travel (comm.overlap), the halo rows added
   into the first and last row when they have arrived. Derivatives of first
-  order (forward and reverse; the solvers need no more).
-* ``"blocking"``: two sendrecvs, then the stencil. Derivatives of every
-  order.
+  order (forward and reverse; the solvers need no more). Not the default:
+  on the 2-core development machine it is slower (benchmarks/bench_overlap.py,
+  results.md), as there is no core left for MPI to progress the messages.
 """
 
 from __future__ import annotations
@@ -50,9 +52,18 @@ def _interior_stencil(u: jax.Array) -> jax.Array:
     return 4 * u - up - down - left - right
 
 
-def _add_halo(inner: jax.Array, above: jax.Array, below: jax.Array) -> jax.Array:
-    """The neighbours beyond the block: −(row above) in the first row, −(row below) in the last."""
-    return inner.at[0].add(-above).at[-1].add(-below)
+def _add_halo(inner: jax.Array, above: jax.Array | None, below: jax.Array | None) -> jax.Array:
+    """The neighbours beyond the block: −(row above) in the first row, −(row below) in the last.
+
+    None: no block there (the boundary of the grid), nothing to add. (Adding
+    zeros would not be free: after comm.overlap, an in-place update of the
+    stencil that does not wait for a message makes XLA copy the stencil.)
+    """
+    if above is not None:
+        inner = inner.at[0].add(-above)
+    if below is not None:
+        inner = inner.at[-1].add(-below)
+    return inner
 
 
 class Laplacian2D(LinearOperator):
@@ -76,7 +87,7 @@ class Laplacian2D(LinearOperator):
         x = jax.jit(lambda A, b: distlinalg.cg(A, b)[0])(A, b)
     """
 
-    def __init__(self, n: int, grid_rows: Partition, dtype: Any, comm: Communicator, halo: str = "overlapped"):
+    def __init__(self, n: int, grid_rows: Partition, dtype: Any, comm: Communicator, halo: str = "blocking"):
         rank = comm.rank
         mine = grid_rows.size_of(rank)
         holders = [r for r in range(comm.size) if grid_rows.size_of(r) > 0]
@@ -143,10 +154,10 @@ def _laplacian_matvec(_: tuple, v: Any, *, geometry: _Geometry) -> Any:
     return _add_halo(inner, above, below).reshape(-1)
 
 
-def _overlapped_halo(u: jax.Array, geometry: _Geometry) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(row above, row below, interior stencil), the stencil computed while the rows travel."""
-    n, _, up, down, comm, _ = geometry
-    zeros = jnp.zeros((n,), u.dtype)
+def _overlapped_halo(u: jax.Array, geometry: _Geometry) -> tuple[Any, Any, jax.Array]:
+    """(row above, row below, interior stencil), the stencil computed while the rows travel;
+    None for a row beyond the grid."""
+    _, _, up, down, comm, _ = geometry
     receives, sends = [], []
     # Receive templates are boundary rows of u: their values are overwritten,
     # and they make the receives differentiated exactly when the sends are.
@@ -157,13 +168,13 @@ def _overlapped_halo(u: jax.Array, geometry: _Geometry) -> tuple[jax.Array, jax.
         receives.append(irecv(u[-1], down, tag=_BELOW_TAG, comm=comm))
         sends.append(isend(u[-1], down, tag=_ABOVE_TAG, comm=comm))
     arrived, inner = overlap(receives + sends, _interior_stencil, u)
-    above = arrived.pop(0) if up != MPI.PROC_NULL else zeros
-    below = arrived.pop(0) if down != MPI.PROC_NULL else zeros
+    above = arrived.pop(0) if up != MPI.PROC_NULL else None
+    below = arrived.pop(0) if down != MPI.PROC_NULL else None
     return above, below, inner
 
 
 def laplacian_2d(
-    n: int, *, row_partition: Any = None, dtype: Any = None, halo: str = "overlapped", comm: Any = None
+    n: int, *, row_partition: Any = None, dtype: Any = None, halo: str = "blocking", comm: Any = None
 ) -> Laplacian2D:
     """The 2-D 5-point Laplacian on an n×n grid, grid rows split across ranks.
 
@@ -173,10 +184,10 @@ def laplacian_2d(
       row_partition: grid rows per rank (default an even split, the first
         n % P ranks one row more); must add up to n.
       dtype: of the vectors (default float64 with x64 enabled, else float32).
-      halo: "overlapped" (default: isend/irecv of the boundary rows while
-        the interior stencil is computed; derivatives of first order) or
-        "blocking" (two sendrecvs before the stencil; derivatives of every
-        order, e.g. Hessians of a loss through the matvec).
+      halo: "blocking" (default: two sendrecvs before the stencil;
+        derivatives of every order, e.g. Hessians of a loss through the
+        matvec) or "overlapped" (isend/irecv of the boundary rows while the
+        interior stencil is computed; derivatives of first order).
       comm: communicator (default distlinalg's).
 
     Returns:
