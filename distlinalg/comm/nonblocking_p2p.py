@@ -46,6 +46,13 @@ through isend/irecv raise NotImplementedError: use ``sendrecv``/``send``/
 ``recv``. vmap: one message carries the whole batch; both sides must map
 alike.
 
+``jax.linear_transpose`` of a program with isend/irecv (no JVP, so no flag)
+transposes every message: each receiver sends its cotangent back, each
+sender receives it. Under ``vmap`` a sender cannot tell whether that
+cotangent is batched; transpose the unbatched program, or differentiate
+(``jax.vjp`` carries the batch in its residuals). sparse_rows' ``.T`` uses
+the blocking exchange for this reason.
+
 The cotangents of two in-flight exchanges with the same route and tag match
 in the order their waits are transposed: wait for such requests in the same
 order on both ranks (as a program that waits in start order does).
