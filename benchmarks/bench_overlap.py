@@ -17,8 +17,8 @@ allreduce  a `--bytes` allreduce and `--steps` matmuls of side `--work`:
 halo       `--matvecs` matvecs of laplacian_2d(`--grid`) in a fori_loop,
            halo="blocking" (two sendrecvs, then the stencil) vs "overlapped"
            (isend/irecv while the interior stencil runs).
-cg         `--iterations` iterations of cg on the same operator (overlapped
-           halo), method="standard" (two blocking allreduces per iteration) vs
+cg         `--iterations` iterations of cg on laplacian_2d(`--grid`) (default,
+           blocking halo), method="standard" (two blocking allreduces per iteration) vs
            "pipelined" (one iallreduce, in flight during the matvec).
 
 MPI moves a non-blocking message only inside MPI calls unless the library

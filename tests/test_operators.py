@@ -104,11 +104,19 @@ def test_laplacian_derivatives_and_vmap(comm, rank, size, halo):
         np.testing.assert_allclose(concat_blocks(hvp, comm), expected, rtol=1e-11, atol=1e-13)
 
 
-def test_operators_reject_unknown_halo_mode(comm):
+def test_operators_reject_unknown_or_differing_halo_mode(comm, rank, size):
+    """Raised on every rank, also on the ranks whose own value is fine."""
+    bad = "async" if rank == size - 1 else "blocking"
     with pytest.raises(ValueError, match="halo must be one of"):
-        ops.laplacian_2d(4, halo="async", comm=comm)
+        ops.laplacian_2d(4, halo=bad, comm=comm)
     with pytest.raises(ValueError, match="halo must be one of"):
-        ops.sparse_rows(poisson(3), halo="async", comm=comm)
+        ops.sparse_rows(poisson(3), halo=bad, comm=comm)
+    if size > 1:
+        differing = "overlapped" if rank == 0 else "blocking"
+        with pytest.raises(ValueError, match="same on every rank.*rank 0: overlapped, rank 1: blocking"):
+            ops.laplacian_2d(4, halo=differing, comm=comm)
+        with pytest.raises(ValueError, match="same on every rank"):
+            ops.sparse_rows(poisson(3), halo=differing, comm=comm)
 
 
 # ---------------------------------------------------------------------------

@@ -136,6 +136,26 @@ def _encode(sizes: list[int], total: int, code: int, size: int) -> np.ndarray:
     return row
 
 
+HALO_MODES = ("blocking", "overlapped")
+
+
+def resolve_halo_mode(halo: Any, comm: Communicator, what: str) -> str:
+    """`halo` ("blocking" or "overlapped"), agreed across ranks.
+
+    The mode decides which messages every matvec sends (sendrecv/alltoall or
+    isend/irecv), so ranks that differ would hang or mismatch. Every rank
+    contributes its choice to one allgather (at construction, eager even
+    inside a jit trace) before anything is judged: a bad or differing value
+    raises the same ValueError on every rank.
+    """
+    codes = exchange_sizes(HALO_MODES.index(halo) if halo in HALO_MODES else -1, comm)
+    if np.all(codes == codes[0]) and codes[0] >= 0:
+        return halo
+    given = ", ".join(f"rank {r}: {HALO_MODES[c] if c >= 0 else 'not one of them'}" for r, c in enumerate(codes))
+    raise ValueError(f"{what}: halo must be one of {HALO_MODES} and the same on every rank ({given}); "
+                     f"this rank passed {halo!r}")
+
+
 def _disagreement(table: np.ndarray, what: str, size: int) -> str:
     """The error every rank raises when the ranks' partitions differ."""
     lines = []

@@ -51,11 +51,10 @@ from ..comm.alltoall import alltoall
 from ..comm.nonblocking_p2p import irecv, isend
 from ..comm.overlap import overlap
 from ._base import LinearOperator
-from ._partition import Partition, partition_of_local_sizes, resolve_partition
+from ._partition import Partition, partition_of_local_sizes, resolve_halo_mode, resolve_partition
 
 _NAME = "distlinalg.operators.sparse_rows"
 _MAX_DIAGONALS = 32  # DIA storage beyond this many offsets unrolls too far
-HALO_MODES = ("overlapped", "blocking")
 _HALO_TAG = 3
 
 
@@ -445,8 +444,7 @@ def sparse_rows(
     at construction (also inside a jit trace).
     """
     comm = resolve_comm(comm)
-    if halo not in HALO_MODES:
-        raise ValueError(f"{_NAME}: halo must be one of {HALO_MODES}, got {halo!r}")
+    halo = resolve_halo_mode(halo, comm, _NAME)
     values, indices, indptr, shape = _as_csr(matrix)
     m, n = shape
     if local:

@@ -15,7 +15,7 @@ Two ways to exchange the halo rows, chosen by ``halo=``:
   into the first and last row when they have arrived. Derivatives of first
   order (forward and reverse; the solvers need no more). Not the default:
   on the 2-core development machine it is slower (benchmarks/bench_overlap.py,
-  results.md), as there is no core left for MPI to progress the messages.
+  benchmarks/results_overlap.md).
 """
 
 from __future__ import annotations
@@ -31,10 +31,7 @@ from ..comm.nonblocking_p2p import irecv, isend
 from ..comm.overlap import overlap
 from ..comm.p2p import sendrecv
 from ._base import LinearOperator
-from ._partition import Partition, resolve_partition
-
-
-HALO_MODES = ("overlapped", "blocking")
+from ._partition import Partition, resolve_halo_mode, resolve_partition
 
 
 def _interior_stencil(u: jax.Array) -> jax.Array:
@@ -212,7 +209,6 @@ def laplacian_2d(
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"distlinalg.operators.laplacian_2d: n must be a positive int, got {n!r}")
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(float)
-    if halo not in HALO_MODES:
-        raise ValueError(f"distlinalg.operators.laplacian_2d: halo must be one of {HALO_MODES}, got {halo!r}")
+    halo = resolve_halo_mode(halo, comm, "distlinalg.operators.laplacian_2d")
     grid_rows: Partition = resolve_partition(row_partition, n, comm, "row_partition")
     return Laplacian2D(n, grid_rows, dtype, comm, halo)
