@@ -53,7 +53,7 @@ def environment_report() -> str:
         f"CPU affinity:   {_cpu.STATE.get('affinity', '?')}",
         f"XLA CPU YNN fusions: {distlinalg.YNN_FUSION}",
         f"debug log (DISTLINALG_DEBUG): {settings['debug_log']}; "
-        f"signature check (DISTLINALG_CHECK): {settings['check_signatures']}",
+        f"cross-rank check (DISTLINALG_CHECK): {_mpi.check_mode()}",
     ]
     host = platform.node()
     everyone = comm.comm.allgather(f"rank {comm.rank} of {comm.size} on {host}: {_cpu.STATE.get('affinity', '?')}")

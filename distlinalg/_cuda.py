@@ -169,21 +169,40 @@ _ALLOCATOR_VARIABLES = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_
                         "XLA_PYTHON_CLIENT_ALLOCATOR")
 
 
-def share_device_memory(local_size: int, count: int, device: int, index: int | None) -> str:
-    """Split JAX's preallocation among the ranks of this node that share `device`.
+def gpu_identity(device: int) -> str | None:
+    """The PCI bus id of CUDA device `device` as this process numbers it (None if the driver cannot say).
+
+    Ranks that see their GPUs through different ``CUDA_VISIBLE_DEVICES`` (Slurm's
+    ``--gpus-per-task``) all call their GPU device 0; the bus id tells whether
+    two of them are the same GPU.
+    """
+    path = os.environ.get("DISTLINALG_LIBCUDA") or "libcuda.so.1"
+    try:
+        lib = ctypes.CDLL(path)
+        handle = ctypes.c_int(0)
+        if lib.cuInit(0) != 0 or lib.cuDeviceGet(ctypes.byref(handle), int(device)) != 0:
+            return None
+        bus_id = ctypes.create_string_buffer(64)
+        if lib.cuDeviceGetPCIBusId(bus_id, len(bus_id), handle) != 0:
+            return None
+        return bus_id.value.decode() or None
+    except (OSError, AttributeError):
+        return None
+
+
+def share_device_memory(sharers: int) -> str:
+    """Split JAX's preallocation among the `sharers` ranks of this node on this rank's GPU.
 
     JAX preallocates 75% of a GPU's memory in every process, so a second rank
-    on the same GPU fails its first allocation. When node-local ranks share a
-    GPU (more ranks than GPUs, device chosen by local rank) and the user set
-    none of JAX's allocator variables, each rank gets 75% / (ranks on its
-    GPU) via ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (read when JAX's backend
-    starts, which has not happened yet). Returns a note for ``STATE``.
+    on the same GPU fails its first allocation. When ranks share a GPU and
+    the user set none of JAX's allocator variables, each rank gets
+    75% / sharers via ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (read when JAX's
+    backend starts, which has not happened yet). Returns a note for ``STATE``.
     """
-    if index is not None or local_size <= count:
+    if sharers <= 1:
         return ""
     if any(name in os.environ for name in _ALLOCATOR_VARIABLES):
         return "; shared with other ranks, JAX's allocator as set by the user"
-    sharers = len(range(device, local_size, count))
     fraction = _JAX_DEFAULT_MEM_FRACTION / sharers
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:.3f}"
     return f"; shared by {sharers} ranks, each preallocating {fraction:.1%} (XLA_PYTHON_CLIENT_MEM_FRACTION)"
@@ -194,13 +213,8 @@ def _wants_cuda(platforms: str) -> bool:
     return not names or any(p in ("cuda", "gpu") for p in names)
 
 
-def select_device(node: Any) -> str:
-    """Restrict JAX to this rank's GPU (see the module docstring); returns what was done.
-
-    `node`: the ranks sharing this node (an ``MPI_COMM_TYPE_SHARED`` split,
-    made once at import by ``distlinalg._mpi``). Nothing here communicates.
-    """
-    local_rank, local_size = node.Get_rank(), node.Get_size()
+def _choose_device(local_rank: int, local_size: int) -> tuple[str, int | None, int, bool]:
+    """This rank's GPU, decided locally: (what was done, device or None, GPUs visible, explicit index?)."""
     choice = _env("DISTLINALG_GPU_DEVICE", "local-rank")
     index = None
     if choice not in ("local-rank", "none", "off", "all"):
@@ -213,29 +227,57 @@ def select_device(node: Any) -> str:
         if index < 0:
             raise ValueError(f"DISTLINALG_GPU_DEVICE must be a non-negative device index, not {index}")
     if choice in ("none", "off", "all"):
-        result = "left to JAX (DISTLINALG_GPU_DEVICE=none)"
-    elif not cuda_plugin_installed():
-        result = "no JAX CUDA plugin installed"
-    elif not _wants_cuda(_compat.requested_platforms()):
-        result = f"not used (JAX_PLATFORMS={_compat.requested_platforms()})"
-    elif _compat.cuda_visible_devices() != "all":
-        result = f"as set by jax_cuda_visible_devices={_compat.cuda_visible_devices()}"
-    elif _compat.backends_started():
-        result = "unchanged: JAX's backend started before distlinalg was imported"
-    else:
-        count = visible_gpu_count()
-        if count == 0:
-            result = "no GPU visible to the CUDA driver"
-        elif index is not None and index >= count:
-            raise ValueError(f"DISTLINALG_GPU_DEVICE={index}, but this node shows {count} GPU(s)")
-        else:
-            device = local_rank % count if index is None else index
-            why = (
-                f"node-local rank {local_rank} of {local_size}, {count} GPU(s)"
-                if index is None
-                else "DISTLINALG_GPU_DEVICE"
-            )
-            _compat.set_cuda_visible_devices(str(device))
-            result = f"GPU {device} ({why})" + share_device_memory(local_size, count, device, index)
+        return "left to JAX (DISTLINALG_GPU_DEVICE=none)", None, 0, False
+    if not cuda_plugin_installed():
+        return "no JAX CUDA plugin installed", None, 0, False
+    if not _wants_cuda(_compat.requested_platforms()):
+        return f"not used (JAX_PLATFORMS={_compat.requested_platforms()})", None, 0, False
+    if _compat.cuda_visible_devices() != "all":
+        return f"as set by jax_cuda_visible_devices={_compat.cuda_visible_devices()}", None, 0, False
+    if _compat.backends_started():
+        return "unchanged: JAX's backend started before distlinalg was imported", None, 0, False
+    count = visible_gpu_count()
+    if count == 0:
+        return "no GPU visible to the CUDA driver", None, 0, False
+    if index is not None and index >= count:
+        raise ValueError(f"DISTLINALG_GPU_DEVICE={index}, but this node shows {count} GPU(s)")
+    device = local_rank % count if index is None else index
+    why = f"node-local rank {local_rank} of {local_size}, {count} GPU(s)" if index is None else "DISTLINALG_GPU_DEVICE"
+    return f"GPU {device} ({why})", device, count, index is not None
+
+
+def select_device(node: Any) -> str:
+    """Restrict JAX to this rank's GPU (see the module docstring); returns what was done.
+
+    `node`: the ranks sharing this node (an ``MPI_COMM_TYPE_SHARED`` split,
+    made once at import by ``distlinalg._mpi``); every one of them must call
+    this. One allgather over `node` tells which ranks chose the same GPU (by
+    PCI bus id, so ranks given different GPUs through ``CUDA_VISIBLE_DEVICES``
+    do not count as sharing), and turns a bad setting on any rank of the
+    node into the same ValueError on all of them.
+    """
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    error = identity = device = None
+    try:
+        result, device, count, explicit = _choose_device(local_rank, local_size)
+        if device is not None:
+            identity = gpu_identity(device)
+    except ValueError as err:
+        error = str(err)
+    everyone = node.allgather((error, device, identity))
+    failed = [(r, e) for r, (e, _, _) in enumerate(everyone) if e is not None]
+    if failed:
+        if all(e == failed[0][1] for _, e in failed) and len(failed) == local_size:
+            raise ValueError(failed[0][1])
+        raise ValueError("; ".join(f"node-local rank {r}: {e}" for r, e in failed))
+    if device is not None:
+        _compat.set_cuda_visible_devices(str(device))
+        if identity is not None and all(i is not None for _, _, i in everyone):
+            sharers = sum(i == identity for _, _, i in everyone)
+        elif explicit:  # an explicit index: ranks naming the same index share it
+            sharers = sum(d == device for _, d, _ in everyone)
+        else:  # no bus ids: assume one set of GPUs per node, numbered alike on every rank
+            sharers = len(range(device, local_size, count))
+        result += share_device_memory(sharers)
     STATE["device"] = result
     return result

@@ -173,8 +173,8 @@ def configure(
 
         distlinalg.comm.configure(check="every-call")   # debugging a hang
     """
-    if max_count is not None and not 1 <= max_count <= _INT_MAX:
-        raise ValueError(f"max_count must be in [1, 2**31-1], got {max_count}")
+    if max_count is not None:
+        _check_max_count(max_count, "max_count")
     if timeout is not None:
         from . import _safety  # here, not at the top: _safety imports this module
 
@@ -195,6 +195,21 @@ def configure(
         _safety.set_timeout(timeout)
 
 
+def _check_max_count(value: Any, name: str) -> int:
+    """`value` as an element count for one MPI call, or a ValueError naming `name`.
+
+    A count below 1 would make every chunked call loop forever, so it is
+    refused here, before any call runs.
+    """
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer in [1, 2**31-1], got {value!r}") from None
+    if not 1 <= count <= _INT_MAX:
+        raise ValueError(f"{name} must be in [1, 2**31-1], got {value!r}")
+    return count
+
+
 def check_mode() -> str:
     """The signature-check mode in force: 'off', 'first-run' or 'every-call'."""
     code = _native.settings()["check_mode"]
@@ -205,7 +220,7 @@ _native.configure(
     debug_log=_env_flag("DISTLINALG_DEBUG"),
     check_mode=CHECK_MODES[_check_mode(os.environ.get("DISTLINALG_CHECK", ""), "DISTLINALG_CHECK")],
     serialize=THREAD_LEVEL < MPI.THREAD_MULTIPLE,
-    max_count=int(os.environ.get("DISTLINALG_MAX_COUNT", _INT_MAX)),
+    max_count=_check_max_count(os.environ.get("DISTLINALG_MAX_COUNT", _INT_MAX), "DISTLINALG_MAX_COUNT"),
 )
 
 for _name, _capsule in _native.registrations(_cuda.cpu_variant(BUILD_INFO)).items():

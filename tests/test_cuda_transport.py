@@ -179,6 +179,32 @@ def test_bad_gpu_device_setting_is_an_error(pretend_cuda_jax, monkeypatch, comm,
         _cuda.select_device(node)
 
 
+@pytest.mark.parametrize("own_gpu", [True, False])
+def test_memory_is_split_only_among_ranks_on_the_same_gpu(pretend_cuda_jax, monkeypatch, comm, node, own_gpu):
+    # Slurm's --gpus-per-task: every rank sees one GPU, device 0, but a different one
+    # (own_gpu), or all ranks of the node really are on one GPU.
+    monkeypatch.setenv("DISTLINALG_STUB_GPUS", "1")
+    monkeypatch.delenv("DISTLINALG_GPU_DEVICE", raising=False)
+    for name in _cuda._ALLOCATOR_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(_cuda, "gpu_identity", lambda d: f"0000:{node.Get_rank() if own_gpu else 0:02x}:00.0")
+    note = _cuda.select_device(node)
+    sharing = node.Get_size() > 1 and not own_gpu
+    fraction = os.environ.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+    everyone = comm.allgather((pretend_cuda_jax, fraction, "shared by" in note))
+    for chosen, frac, shared in everyone:
+        assert chosen == ["0"]
+        assert shared == sharing
+        assert frac == (f"{0.75 / node.Get_size():.3f}" if sharing else None)
+
+
+def test_a_bad_gpu_setting_on_one_rank_raises_on_every_rank_of_the_node(pretend_cuda_jax, monkeypatch, comm, node):
+    monkeypatch.setenv("DISTLINALG_STUB_GPUS", "2")
+    monkeypatch.setenv("DISTLINALG_GPU_DEVICE", "7" if node.Get_rank() == node.Get_size() - 1 else "0")
+    with pytest.raises(ValueError, match="DISTLINALG_GPU_DEVICE=7"):
+        _cuda.select_device(node)
+
+
 def test_device_selection_leaves_a_started_backend_alone(pretend_cuda_jax, monkeypatch, comm, node):
     monkeypatch.setenv("DISTLINALG_STUB_GPUS", "2")
     monkeypatch.setattr(_compat, "backends_started", lambda: True)

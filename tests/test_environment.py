@@ -30,6 +30,16 @@ def test_environment_report_under_mpiexec():
                 "MPI CUDA-aware:", "GPU transport:", "GPU device:", "CPU affinity:"]:
         assert key in text, (key, text)
     assert "rank 0 of 2" in text and "rank 1 of 2" in text
+    assert "cross-rank check (DISTLINALG_CHECK): first-run" in text, text
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "2147483648", "lots"])
+def test_bad_max_count_is_an_import_error_not_a_hang(value):
+    # A count of 0 used to be accepted at import, and every chunked call then looped forever.
+    env = dict(os.environ, DISTLINALG_MAX_COUNT=value)
+    out = run([sys.executable, "-c", "import distlinalg"], timeout=120, env=env)
+    assert out.returncode != 0
+    assert "DISTLINALG_MAX_COUNT must be" in out.stderr and repr(value) in out.stderr, out.stderr
 
 
 def test_library_mismatch_is_an_import_error(monkeypatch):

@@ -306,11 +306,14 @@ def test_sparse_rows_derivatives_wrt_x_and_vmap(comm, rank, size, halo):
 def test_sparse_rows_local_blocks_and_segment_path(comm, rank, size):
     # One long row forces the segment-sum product (rank 0) instead of ELLPACK;
     # the purely diagonal blocks of the other ranks are stored by diagonals.
-    A = sp.lil_matrix((8, 8))
+    # Rank 0 needs at least 5 rows for that (with fewer, its own-column block
+    # has few enough diagonals for DIA): 5 rows per rank.
+    n = 5 * size
+    A = sp.lil_matrix((n, n))
     A.setdiag(2.0)
-    A[0, :] = np.arange(1, 9)
+    A[0, :] = np.arange(1, n + 1)
     A = A.tocsr()
-    sizes = uneven(8, size)
+    sizes = uneven(n, size)
     start = sum(sizes[:rank])
     op = ops.sparse_rows(A[start : start + sizes[rank]], local=True, comm=comm)
     assert comm.allgather(op.pattern.format) == ["segment"] + ["dia"] * (size - 1)
