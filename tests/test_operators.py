@@ -27,6 +27,11 @@ def block_of(global_vector, partition, rank):
     return global_vector[partition.starts[rank] : partition.starts[rank + 1]]
 
 
+def even(total, size):
+    """The operators' default split: the first total % size ranks one row longer."""
+    return [total // size + (r < total % size) for r in range(size)]
+
+
 def uneven(total, size):
     """Block sizes that differ from rank to rank (rank 0 the largest)."""
     sizes = [total // size] * size
@@ -140,9 +145,14 @@ def test_sparse_rows_matvec_and_transpose(comm, rank, size, case, halo):
     elif case == "random":
         A, kwargs = random_square(11, 3), {}
     elif case == "scattered":
+        # 3 entries per row: two at random columns anywhere (the halo), one at a random
+        # column of the row's own block (many distinct offsets there at any rank count:
+        # stored as ELLPACK, not by diagonals); 10 rows per rank, at least 40.
         rng = np.random.default_rng(11)
-        n = 40
-        cols = np.stack([rng.permutation(n) for _ in range(3)], axis=1)  # 3 entries per row
+        n = max(40, 10 * size)
+        own = np.concatenate([start + rng.permutation(count) for start, count in
+                              zip(np.cumsum([0] + even(n, size)[:-1]), even(n, size))])
+        cols = np.stack([rng.permutation(n), rng.permutation(n), own], axis=1)
         A = sp.csr_matrix((rng.standard_normal(3 * n), (np.repeat(np.arange(n), 3), cols.ravel())), shape=(n, n))
         A = (A + sp.eye(n) * 5).tocsr()
         kwargs = {}
@@ -171,6 +181,21 @@ def test_sparse_rows_matvec_and_transpose(comm, rank, size, case, halo):
     np.testing.assert_allclose(concat_blocks(t, comm), dense.T @ w, rtol=1e-13, atol=1e-14)
     if A.shape[0] == A.shape[1] and case != "uneven":
         np.testing.assert_allclose(concat_blocks(op.diagonal(), comm), np.diagonal(dense))
+
+
+@pytest.mark.parametrize("halo", HALOS)
+def test_sparse_rows_rank_without_halo_under_vmap(comm, rank, size, halo):
+    # The last rank's rows touch only its own columns and the first row of rank 0
+    # reaches every column: under vmap (to_dense of A and of Aᵀ maps over a basis)
+    # every rank's exchange must be batched alike, halo or not.
+    n = 3 * size
+    A = sp.lil_matrix((n, n))
+    A.setdiag(4.0)
+    A[0, :] = 1.0 + np.arange(n)
+    A = A.tocsr()
+    op = ops.sparse_rows(A, halo=halo, comm=comm)
+    np.testing.assert_allclose(np.asarray(op.to_dense()), A.toarray(), rtol=1e-14)
+    np.testing.assert_allclose(np.asarray(op.T.to_dense()), A.toarray().T, rtol=1e-14)
 
 
 def test_sparse_rows_poisson_bulk_by_diagonals_on_every_rank(comm, rank, size):

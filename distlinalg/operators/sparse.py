@@ -287,7 +287,10 @@ def _sparse_matvec(values: tuple, x: Any, *, pattern: "_Pattern", comm: Communic
     if not plan.width:  # no rank needs anything from another
         return pattern.own.product(own_values, x)
     if blocking or pattern.halo_mode == "blocking":  # a collective: every rank takes part, halo or not
-        outgoing = jnp.where(plan.send_mask, x[plan.send_index], jnp.zeros((), x.dtype))
+        if x.shape[0]:
+            outgoing = jnp.where(plan.send_mask, x[plan.send_index], jnp.zeros((), x.dtype))
+        else:  # a rank without columns sends nothing (and an empty x has nothing to gather from)
+            outgoing = jnp.zeros(plan.send_index.shape, x.dtype) + jnp.sum(x)
         received = alltoall(outgoing, comm=comm).reshape(-1)
         return pattern.add_halo_product(halo_values, pattern.own.product(own_values, x), received)
     received, y = _exchange_while(lambda x: pattern.own.product(own_values, x), x, plan, comm)
@@ -387,7 +390,11 @@ class _Pattern:
         """y (the own block · x_r, (m_r,)) plus the halo block · received (size·K,),
         the latter added into the rows `halo_rows`."""
         if self.halo is None:
-            return y
+            # Nothing of `received` is used here, but the exchange is a collective: y
+            # must still depend on it (an empty sum, folded away by XLA), or its
+            # transpose would get a symbolic zero cotangent, unbatched under vmap
+            # on this rank while batched on ranks with a halo (mismatched messages).
+            return y + jnp.sum(received[:0])
         h = self.halo.product(halo_values, received)
         # Unique sorted rows: XLA adds into the few rows of y in place
         # instead of rewriting y.
