@@ -41,7 +41,10 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(MPI_PACKAGES) $(BUILD_DEPS) $(TEST_DEPS)
 ifeq ($(DISTLINALG_MPI),system)
-	$(BIN)/python -m pip install -q --no-binary mpi4py mpi4py
+# mpi4py from source against the same MPI as distlinalg (DISTLINALG_MPICC, else mpicc on
+# PATH), never from pip's cache (a wheel built earlier may be for another MPI).
+	$(if $(DISTLINALG_MPICC),MPI4PY_BUILD_MPICC=$(DISTLINALG_MPICC)) $(BIN)/python -m pip install -q \
+		--no-cache-dir --no-binary mpi4py mpi4py
 endif
 	$(BIN)/python -m pip install -q --no-build-isolation -Cbuild-dir=build/$(notdir $(VENV)) -e .
 	@touch $@
