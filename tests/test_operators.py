@@ -205,7 +205,7 @@ def test_sparse_rows_poisson_bulk_by_diagonals_on_every_rank(comm, rank, size):
     the last rank stream a vector twice its block), and the halo entries
     form a small separate product over the grid rows next to the block
     boundaries: at most one grid row per neighbour."""
-    n = 12
+    n = max(12, 2 * size)  # every block at least two grid rows long (n²/P ≥ 2n)
     A = poisson(n)
     op = ops.sparse_rows(A, comm=comm)
     pattern = op.pattern
