@@ -86,7 +86,7 @@ test: setup $(if $(filter 1,$(WITH_NETKET)),$(NETKET_STAMP)) $(if $(filter 1,$(W
 	$(MAKE) test-cuda-emulation
 
 # Correctness at more ranks than `make test` runs: the collective, solver and operator
-# suites at 4 and 8 ranks (oversubscribed on a small machine). Tests that do not depend on
+# suites at 4 and 8 ranks (oversubscribed on a small machine: 14 minutes on 2 cores). Tests that do not depend on
 # the rank count beyond 2 are marked max_ranks and skip here; from 4 ranks on, every test
 # file starts with empty JAX caches (tests/conftest.py), so 8 ranks fit in ~16 GB. The rest
 # of the suite runs there too: `make test-scale SCALE_TESTS=tests/`. CI runs tests/test_operators.py
