@@ -3,28 +3,32 @@
     python benchmarks/cost_model.py [--collectives FILE ...] [--krylov FILE ...] [--sr FILE ...]
         [--plots DIR] [--markdown FILE]
 
-Every time is built from three machine constants:
+Every time is built from these machine constants:
 
-  α, β   one message of n bytes between two ranks costs α + n·β (fitted to the
-         ring sendrecv of ``bench_collectives.py`` at 2 ranks: least squares on
-         the relative error over 8 B – 64 MiB);
-  B      memory bandwidth: the STREAM triad that ``bench_krylov.py`` measures
-         in the same run, all ranks of the node at once (aggregate), shared by
-         the ranks of a node.
+  α_op, β_op  per collective, its cost α + n·β on 2 ranks of a node (fitted to
+              ``bench_collectives.py``'s in-jit distlinalg calls at 2 ranks:
+              least squares on the relative error over 8 B – 64 MiB);
+  B           memory bandwidth: the STREAM triad that ``bench_krylov.py``
+              measures in the same run, all ranks of the node at once
+              (aggregate), shared by the ranks of a node;
+  network     across nodes, one message costs α_net + n/B_nic, every byte of
+              a node through its NIC (stated for the cluster, not fitted).
 
 Collectives follow the algorithms MPICH picks (Thakur, Rabenseifner, Gropp
-2005), with L = ⌈log₂ P⌉:
+2005). On R ranks, with L = ⌈log₂ R⌉, an operation takes `steps` latencies
+and moves `factor`·n bytes per rank (``shape``):
 
-  allreduce  n ≤ 2 KiB: recursive doubling   L·(α + n·β + n·γ)
-             larger:    Rabenseifner         2L·α + 2(P−1)/P·n·β + (P−1)/P·n·γ
-  allgather  (n per rank)                    L·α + (P−1)·n·β
-  bcast      min(binomial L·(α + nβ), scatter + allgather (L + P − 1)·α + 2(P−1)/P·n·β)
-  alltoall   (n per rank in all)             (P−1)·(α + n/P·β)
-  sendrecv   ring shift                      α + n·β
+  allreduce  n ≤ 2 KiB: recursive doubling   L steps, factor L
+             larger:    Rabenseifner         2L steps, factor 2(R−1)/R
+  allgather  (n per rank)                    L steps, factor R − 1
+  bcast      n ≤ 12 KiB: binomial            L steps, factor L
+             larger: scatter + allgather     L + R − 1 steps, factor 2(R−1)/R
+  alltoall   (n per rank in all)             R − 1 steps, factor (R−1)/R
+  sendrecv   ring shift                      1 step, factor 1
 
-with γ = 3/B the cost of reducing a byte (read two operands, write one). On a
-cluster, P = R·M ranks on M nodes of R ranks: the log₂R steps inside a node
-use the node's α, β and the log₂M across nodes the network's (``Machine``).
+and costs α_op·steps(R)/steps(2) + n·β_op·factor(R)/factor(2). On a cluster,
+P = R·M ranks on M nodes: the operation runs inside the nodes, then once more
+across the M nodes on the data a node holds (``collective``).
 
 One CG iteration on the 5-point Laplacian, N = n² unknowns split by grid rows:
 

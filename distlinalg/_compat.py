@@ -150,11 +150,6 @@ def fresh_token() -> Any:
     return _hlo.create_token()
 
 
-def optimization_barrier(values: list) -> list:
-    """StableHLO optimization_barrier over `values` (arrays and tokens): outputs exist once all inputs do."""
-    return list(_hlo.OptimizationBarrierOp(values).results)
-
-
 def token_in(ctx: Any, effect: Any) -> Any:
     """The ordering token for `effect` entering a lowering rule."""
     return ctx.tokens_in.get(effect)

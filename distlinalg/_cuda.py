@@ -262,8 +262,8 @@ def select_device(node: Any) -> str:
         result, device, count, explicit = _choose_device(local_rank, local_size)
         if device is not None:
             identity = gpu_identity(device)
-    except ValueError as err:
-        error = str(err)
+    except Exception as err:  # noqa: BLE001 - reported on every rank below, never on one alone
+        error = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
     everyone = node.allgather((error, device, identity))
     failed = [(r, e) for r, (e, _, _) in enumerate(everyone) if e is not None]
     if failed:
