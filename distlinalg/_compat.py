@@ -171,9 +171,6 @@ def effect_free_lowering_context(ctx: Any, avals_in: Any, avals_out: Any) -> Any
     return ctx.replace(avals_in=avals_in, avals_out=avals_out, tokens_in=mlir.TokenSet(), tokens_out=None)
 
 
-JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-
-
 # ---------------------------------------------------------------------------
 # XLA CPU's YNN fusions (jaxlib 0.10.2) miscompile a reduction of a dot whose
 # operand is a broadcast scalar (seen from 1024 rows on): the result reads

@@ -1,9 +1,26 @@
 """MPI runtime of distlinalg: library checks, communicators, ops and dtypes.
 
-Importing this module initialises MPI through mpi4py (if not already done),
-checks that mpi4py and the native extension talk to the same MPI library at a
-usable thread level, registers the FFI handlers with XLA, and creates the
-library's private communicator.
+Importing this module, once per process and on every rank, in this order:
+
+1. initialises MPI through mpi4py (if not already done) and checks that mpi4py
+   and the native extension talk to the same MPI library at a usable thread
+   level;
+2. configures the native layer from the environment (``DISTLINALG_DEBUG``,
+   ``DISTLINALG_CHECK``, ``DISTLINALG_MAX_COUNT``) and registers the FFI
+   handlers with XLA: the CPU handlers, and the CUDA handlers with their
+   transport (CUDA-aware or staged through host memory) where the build has
+   them (``distlinalg._cuda``);
+3. places the process on its node, collectively over the ranks that share
+   the node (one ``MPI_COMM_TYPE_SHARED`` split): on a GPU machine each rank
+   is restricted to its own GPU (``DISTLINALG_GPU_DEVICE``,
+   ``distlinalg._cuda.select_device``), and on CPUs each rank gets its own
+   block of the node's cores when the launcher did not bind them
+   (``DISTLINALG_CPU_AFFINITY``, ``distlinalg._cpu.partition_cores``). Both
+   must happen before JAX starts its backend, which is why they happen here;
+4. creates the library's private communicator (a duplicate of
+   ``MPI.COMM_WORLD``).
+
+``python -m distlinalg`` reports what each step decided.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from . import solvers as _solvers
 from ._mpi import resolve_comm
 from .comm._core import lowering_without_mpi_token, run_detached
 from .comm.allreduce import allreduce
-from .ad.grad import sum_tree_over_ranks
+from .comm.fused import tree_allreduce
 from .operators._base import LinearOperator, aslinearoperator
 from .solvers import Reason
 
@@ -449,7 +449,7 @@ def _distributed_transpose(op: Any, input_layout: str, output_layout: str) -> Ca
             w = jax.tree_util.tree_map(lambda x: x / comm.size, w)
         (x,) = transpose_of(w)
         if input_layout == "replicated" and comm.size > 1:
-            x = sum_tree_over_ranks(x, comm)
+            x = tree_allreduce(x, comm=comm)
         return x
 
     return apply

@@ -314,3 +314,78 @@ def test_barrier_keeps_its_place_between_collectives(comm, rank, size):
     for a, b in (jax.jit(f)(x), f(x)):
         np.testing.assert_allclose(a, np.full(2, size * (size + 1) / 2))
         np.testing.assert_allclose(b, np.full(2, 2.0 * size))
+
+
+PYTREE_WRAPPERS = {
+    "allreduce": lambda x, comm: C.allreduce(x, "max", comm=comm),
+    "reduce": lambda x, comm: C.reduce(x, "max", root=0, comm=comm),
+    "bcast": lambda x, comm: C.bcast(x, root=0, comm=comm),
+    "gather": lambda x, comm: C.gather(x, root=0, comm=comm),
+    "scatter": lambda x, comm: C.scatter(x, root=0, comm=comm),
+    "allgather": lambda x, comm: C.allgather(x, comm=comm),
+    "alltoall": lambda x, comm: C.alltoall(x, comm=comm),
+    "reduce_scatter": lambda x, comm: C.reduce_scatter(x, "max", comm=comm),
+    "tree_allreduce": lambda x, comm: C.tree_allreduce(x, "max", comm=comm),
+}
+
+
+@pytest.mark.parametrize("name", list(PYTREE_WRAPPERS))
+def test_pytree_leaves_all_checked_before_the_first_message(comm, size, name, monkeypatch):
+    """A pytree whose last leaf is invalid raises before any leaf is communicated.
+
+    Otherwise a rank would post the first leaf's message and then raise, and a
+    program that catches the error would be out of step with its peers. The
+    bad leaf is complex under ``max`` for the reducing ops, and a leaf
+    without the (size, ...) leading axis for the others (bcast, gather and
+    allgather take any shape: their bad leaf has a dtype MPI cannot carry).
+    """
+    from distlinalg.comm import _core
+
+    bound = []
+    real_bind = _core.bind
+    monkeypatch.setattr(_core, "bind", lambda prim, *a, **k: bound.append(prim) or real_bind(prim, *a, **k))
+    good = jnp.ones((size, 2))
+    reducing = name in ("allreduce", "reduce", "reduce_scatter", "tree_allreduce")
+    blocks = name in ("scatter", "alltoall", "reduce_scatter")
+    if reducing:
+        bad, error = jnp.ones((size, 2), jnp.complex64), TypeError
+    elif blocks:
+        bad, error = jnp.ones((size + 1, 2)), ValueError
+    else:
+        bad, error = np.array(["not a number"] * 2, dtype=object), (TypeError, ValueError)
+    for traced in (False, True):
+        fn = (lambda t: PYTREE_WRAPPERS[name](t, comm)) if not traced else jax.jit(lambda t: PYTREE_WRAPPERS[name](t, comm))
+        tree = {"a": good, "z": bad}
+        if traced and bad.dtype == object:
+            continue  # an object array is not a valid jit argument; the eager call covers it
+        with pytest.raises(error):
+            fn(tree)
+        assert bound == [], f"{name}: {bound} bound before the bad leaf was checked"
+    # Still in step.
+    monkeypatch.undo()
+    np.testing.assert_allclose(C.allreduce(jnp.ones(1), comm=comm), [size])
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_tree_allreduce_one_message_per_dtype(comm, rank, size, op):
+    """tree_allreduce: allreduce's values on every leaf, one message per dtype, allreduce's AD."""
+    tree = {
+        "w": jnp.arange(6.0).reshape(2, 3) + rank,
+        "b": jnp.full(3, 2.0 - rank),
+        "n": jnp.arange(4, dtype=jnp.int32) * (rank + 1),
+        "empty": jnp.zeros((0, 2)),
+    }
+    out = C.tree_allreduce(tree, op, comm=comm)
+    for key, leaf in tree.items():
+        stacked = gather_global(leaf, comm)
+        np.testing.assert_allclose(out[key], REDUCE[op](stacked, axis=0), rtol=1e-12, err_msg=key)
+        assert out[key].dtype == leaf.dtype and out[key].shape == leaf.shape
+    jaxpr = jax.make_jaxpr(lambda t: C.tree_allreduce(t, op, comm=comm))(tree)
+    expected = 2 if size > 1 else 0  # float64 (w and b concatenated) and int32; nothing on one rank
+    assert _communicating_primitives(jaxpr).count("distlinalg_allreduce") == expected
+    if op == "sum":  # linear: the VJP of the whole program is the sum of every rank's cotangent
+        seed = {"w": jnp.full((2, 3), rank + 1.0), "b": jnp.full(3, 1.0)}
+        _, vjp = jax.vjp(lambda t: C.tree_allreduce(t, comm=comm), {"w": tree["w"], "b": tree["b"]})
+        (ct,) = vjp(seed)
+        np.testing.assert_allclose(ct["w"], np.full((2, 3), size * (size + 1) / 2))
+        np.testing.assert_allclose(ct["b"], np.full(3, size))

@@ -1,4 +1,7 @@
-"""Exact gradients of replicated losses (shared/design/ad-convention.md).
+"""Exact gradients of replicated losses.
+
+The reasoning in full: docs/ad.md, "Why jax.grad of a replicated loss gives P
+times the gradient".
 
 Under distlinalg's convention the transpose of a communication primitive is
 the adjoint of the whole SPMD program: reverse mode seeds every rank's output
@@ -29,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import Communicator, resolve_comm
-from ..comm.allreduce import allreduce
+from .._mpi import resolve_comm
+from ..comm.fused import tree_allreduce
 
 _NAME = "distlinalg.ad"
 
@@ -100,40 +103,6 @@ def _leaf_mask(flags: Any, grad_tree: Any, argnum: int) -> list[bool]:
             f"{jax.tree_util.tree_structure(grad_tree)}, sharded[{argnum}] = {flags!r}"
         ) from err
     return jax.tree_util.tree_leaves(mask)
-
-
-def sum_over_ranks(leaves: list[Any], comm: Communicator) -> list[Any]:
-    """allreduce-sum of every leaf, one message per dtype.
-
-    Models have many small parameter arrays; one concatenated message per
-    dtype pays the latency once. The order of the groups depends only on the
-    (rank-independent) argument structure, so all ranks post the same calls.
-    """
-    out = list(leaves)
-    groups: dict[Any, list[int]] = {}
-    for k, leaf in enumerate(leaves):
-        if leaf.size:
-            groups.setdefault(leaf.dtype, []).append(k)
-    for members in groups.values():
-        if len(members) == 1:
-            (k,) = members
-            out[k] = allreduce(leaves[k], "sum", comm=comm)
-            continue
-        total = allreduce(jnp.concatenate([jnp.ravel(leaves[k]) for k in members]), "sum", comm=comm)
-        start = 0
-        for k in members:
-            stop = start + leaves[k].size
-            out[k] = total[start:stop].reshape(leaves[k].shape)
-            start = stop
-    return out
-
-
-def sum_tree_over_ranks(tree: Any, comm: Communicator) -> Any:
-    """allreduce-sum of a pytree in one message per dtype (not one per leaf)."""
-    if comm.size == 1:
-        return tree
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return jax.tree_util.tree_unflatten(treedef, sum_over_ranks([jnp.asarray(x) for x in leaves], comm))
 
 
 def value_and_grad(
@@ -259,7 +228,7 @@ def value_and_grad(
                 flat.append((leaves, mask))
                 treedefs.append(treedef)
             replicated = [leaf for leaves, mask in flat for leaf, s in zip(leaves, mask) if not s]
-            reduced = iter(sum_over_ranks(replicated, communicator))
+            reduced = iter(tree_allreduce(replicated, comm=communicator))
             grads = [
                 jax.tree_util.tree_unflatten(
                     treedef, [leaf if s else next(reduced) for leaf, s in zip(leaves, mask)]

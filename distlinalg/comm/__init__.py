@@ -12,6 +12,7 @@ from .allgather import allgather, allgather_p
 from .allreduce import allreduce, allreduce_p
 from .alltoall import alltoall, alltoall_p
 from .barrier import barrier, barrier_p
+from .fused import tree_allreduce
 from .bcast import bcast, bcast_p
 from .gather import gather, gather_p
 from .info import rank, size
@@ -28,7 +29,7 @@ from .scatter import scatter, scatter_p
 
 __all__ = [
     "PROC_NULL", "ANY_SOURCE", "ANY_TAG", "Status", "Communicator", "ReduceOp", "configure", "rank", "size",
-    "allreduce", "reduce", "bcast", "gather", "scatter", "allgather", "reduce_scatter",
+    "allreduce", "tree_allreduce", "reduce", "bcast", "gather", "scatter", "allgather", "reduce_scatter",
     "alltoall", "scan", "exscan", "send", "recv", "sendrecv", "barrier",
     "iallreduce", "iallgather", "isend", "irecv", "wait", "overlap", "Request",
     "allreduce_p", "reduce_p", "bcast_p", "gather_p", "scatter_p", "allgather_p",

@@ -285,11 +285,48 @@ not_mapped = _compat.not_mapped
 
 
 
-def tree_apply(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """Apply a per-array operation to every leaf of a pytree."""
-    if isinstance(tree, jax.Array):  # the common eager case, without the pytree walk
-        return fn(tree)
-    return jax.tree_util.tree_map(fn, tree)
+def check_leading_dim(a: Any, comm: Communicator, opname: str) -> None:
+    """Ops taking one block per rank need a leading axis of length size."""
+    shape = np.shape(a)
+    if len(shape) == 0 or shape[0] != comm.size:
+        raise ValueError(
+            f"distlinalg.{opname}: x must have shape (size, ...) = ({comm.size}, ...), one block per "
+            f"rank, got shape {tuple(shape)}"
+        )
+
+
+def apply_collective(
+    prim: Primitive,
+    x: Any,
+    *,
+    opname: str,
+    comm: Communicator,
+    op: _mpi.ReduceOp | None = None,
+    one_block_per_rank: bool = False,
+    **params: Any,
+) -> Any:
+    """The public wrapper of a collective: ``prim`` on every leaf of the pytree `x`.
+
+    Every leaf is checked (dtype, the op on that dtype, and a leading axis of
+    length ``comm.size`` where the op takes `one_block_per_rank`) before the
+    first leaf is communicated: a bad third leaf must not leave the other ranks
+    waiting in the second leaf's message. The checks depend only on shapes and
+    dtypes, so every rank of a correct program takes the same path. `op` (if
+    given) and the remaining `params` become the primitive's parameters.
+    """
+    if op is not None:
+        params["op"] = op
+    if isinstance(x, jax.Array):  # the common eager case, without the pytree walk
+        leaves, treedef = [x], None
+    else:
+        leaves, treedef = jax.tree_util.tree_flatten(x)
+    arrays = [as_array(leaf) for leaf in leaves]
+    for a in arrays:
+        _mpi.check_dtype(a.dtype, opname, op)
+        if one_block_per_rank:
+            check_leading_dim(a, comm, opname)
+    outs = [bind(prim, a, comm=comm, **params) for a in arrays]
+    return outs[0] if treedef is None else jax.tree_util.tree_unflatten(treedef, outs)
 
 
 # ---------------------------------------------------------------------------
@@ -407,7 +444,7 @@ __all__ = [
     "is_undefined",
     "moveaxis_or_broadcast",
     "not_mapped",
-    "tree_apply",
+    
     "ad",
     "batching",
 ]

@@ -1,7 +1,7 @@
 """allgather: every rank's array stacked on every rank.
 
 Shapes: x: s -> y: (size, *s), row r = rank r's x, identical on every rank.
-AD (shared/design/ad-convention.md): ẏ = AG(ẋ); transpose x̄_s = Σ_r ȳ_r[s],
+AD (docs/ad.md, "The convention"): ẏ = AG(ẋ); transpose x̄_s = Σ_r ȳ_r[s],
 a sum reduce_scatter. vmap: the batch dimension lands behind the rank axis.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from .._mpi import Communicator, ReduceOp, check_dtype, resolve_comm
+from .._mpi import Communicator, ReduceOp, resolve_comm
 from . import _core
 from ._core import ad, batching
 
@@ -64,9 +64,4 @@ def allgather(x: Any, *, comm: Any = None) -> Any:
     """
     comm = resolve_comm(comm)
 
-    def one(a):
-        a = _core.as_array(a)
-        check_dtype(a.dtype, "allgather")
-        return _core.bind(allgather_p, a, comm=comm)
-
-    return _core.tree_apply(one, x)
+    return _core.apply_collective(allgather_p, x, opname="allgather", comm=comm)

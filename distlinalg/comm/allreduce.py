@@ -1,6 +1,6 @@
 """allreduce: every rank receives the op-reduction of all ranks' arrays.
 
-AD (see shared/design/ad-convention.md, "adjoint of the whole SPMD program"):
+AD (docs/ad.md, "The convention: the adjoint of the whole SPMD program"):
   sum:      ẏ = AR(ẋ);                x̄ = AR(ȳ)  (self-adjoint)
   prod:     ẏ = AR(c ⊙ ẋ), c_s = Π_{t≠s} x_t, computed without dividing by
             zero and with exact second derivatives (product_of_others)
@@ -16,7 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import Communicator, ReduceOp, check_dtype, resolve_comm, resolve_op
+from .._mpi import Communicator, ReduceOp, resolve_comm, resolve_op
 from . import _core
 from ._core import ad, batching
 
@@ -116,9 +116,4 @@ def allreduce(x: Any, op: Any = "sum", *, comm: Any = None) -> Any:
     comm = resolve_comm(comm)
     op = resolve_op(op)
 
-    def one(a):
-        a = _core.as_array(a)
-        check_dtype(a.dtype, "allreduce", op)
-        return _core.bind(allreduce_p, a, comm=comm, op=op)
-
-    return _core.tree_apply(one, x)
+    return _core.apply_collective(allreduce_p, x, opname="allreduce", comm=comm, op=op)

@@ -2,7 +2,7 @@
 
 Shapes: x: (size, *s) -> y: (size, *s); y on rank q, block r = x on rank r,
 block q. As a map of the stacked global state, a transpose of the first two
-axes, hence self-adjoint: ẏ = A2A(ẋ), x̄ = A2A(ȳ) (ad-convention.md).
+axes, hence self-adjoint: ẏ = A2A(ẋ), x̄ = A2A(ȳ) (docs/ad.md, "The convention").
 vmap: the batch dimension moves right behind the rank axis.
 """
 
@@ -12,10 +12,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from .._mpi import Communicator, check_dtype, resolve_comm
+from .._mpi import Communicator, resolve_comm
 from . import _core
 from ._core import ad, batching
-from .scatter import check_leading_dim
 
 alltoall_p = _core.new_primitive("alltoall")
 _core.def_abstract_eval(alltoall_p, lambda x, *, comm: _core.shaped(x.shape, x.dtype))
@@ -64,10 +63,4 @@ def alltoall(x: Any, *, comm: Any = None) -> Any:
     """
     comm = resolve_comm(comm)
 
-    def one(a):
-        a = _core.as_array(a)
-        check_dtype(a.dtype, "alltoall")
-        check_leading_dim(a, comm, "alltoall")
-        return _core.bind(alltoall_p, a, comm=comm)
-
-    return _core.tree_apply(one, x)
+    return _core.apply_collective(alltoall_p, x, opname="alltoall", comm=comm, one_block_per_rank=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .._mpi import Communicator, check_dtype, check_rank, resolve_comm
+from .._mpi import Communicator, check_rank, resolve_comm
 from . import _core
 from ._core import ad, batching
 
@@ -66,9 +66,4 @@ def bcast(x: Any, *, root: int = 0, comm: Any = None) -> Any:
     comm = resolve_comm(comm)
     root = check_rank(root, comm, "root", "bcast")
 
-    def one(a):
-        a = _core.as_array(a)
-        check_dtype(a.dtype, "bcast")
-        return _core.bind(bcast_p, a, comm=comm, root=root)
-
-    return _core.tree_apply(one, x)
+    return _core.apply_collective(bcast_p, x, opname="bcast", comm=comm, root=root)

@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import Communicator, check_dtype, check_rank, resolve_comm
+from .._mpi import Communicator, check_rank, resolve_comm
 from . import _core
 from ._core import ad, batching
 
@@ -65,9 +65,4 @@ def gather(x: Any, *, root: int = 0, comm: Any = None) -> Any:
     comm = resolve_comm(comm)
     root = check_rank(root, comm, "root", "gather")
 
-    def one(a):
-        a = _core.as_array(a)
-        check_dtype(a.dtype, "gather")
-        return _core.bind(gather_p, a, comm=comm, root=root)
-
-    return _core.tree_apply(one, x)
+    return _core.apply_collective(gather_p, x, opname="gather", comm=comm, root=root)

@@ -5,7 +5,7 @@ from ``PROC_NULL`` returns the template unchanged (MPI leaves it untouched),
 and sending to ``PROC_NULL`` sends nothing. The template's buffer is the
 result's where XLA can give it up (the receive then happens in place).
 
-AD (shared/design/ad-convention.md): a message is a linear map of the global
+AD (docs/ad.md, "The convention"): a message is a linear map of the global
 state, y_dest = x_source. Its tangent travels along the same route, its
 cotangent along the reversed one:
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .._mpi import Communicator, ReduceOp, check_dtype, check_rank, resolve_comm, resolve_op
+from .._mpi import Communicator, ReduceOp, check_rank, resolve_comm, resolve_op
 from . import _core
 from ._core import ad, batching
 from .allreduce import allreduce_p, product_of_others, tie_weights
@@ -76,9 +76,4 @@ def reduce(x: Any, op: Any, *, root: int = 0, comm: Any = None) -> Any:
     op = resolve_op(op)
     root = check_rank(root, comm, "root", "reduce")
 
-    def one(a):
-        a = _core.as_array(a)
-        check_dtype(a.dtype, "reduce", op)
-        return _core.bind(reduce_p, a, comm=comm, op=op, root=root)
-
-    return _core.tree_apply(one, x)
+    return _core.apply_collective(reduce_p, x, opname="reduce", comm=comm, op=op, root=root)

@@ -3,7 +3,7 @@
 Shapes: x: (size, *s) on every rank -> y: s; y on rank r = op over ranks q
 of x_q[r].
 
-AD (shared/design/ad-convention.md, adjoint of the whole SPMD program):
+AD (docs/ad.md, "The convention: the adjoint of the whole SPMD program"):
   sum:      ẏ = RS(ẋ);  x̄ = AG(ȳ), i.e. x̄_s[r] = ȳ_r
   prod:     ẏ = RS(c ⊙ ẋ), c[r] on rank s = Π_{t≠s} x_t[r] (zero-safe)
   min/max:  ẏ_r = RS([x == AG(y)] ⊙ ẋ)_r / count_r, count = RS([x == AG(y)])
@@ -20,11 +20,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import Communicator, ReduceOp, check_dtype, resolve_comm, resolve_op
+from .._mpi import Communicator, ReduceOp, resolve_comm, resolve_op
 from . import _core
 from ._core import ad, batching
 from .allgather import allgather_p
-from .scatter import check_leading_dim
 
 reduce_scatter_p = _core.new_primitive("reduce_scatter")
 _core.def_abstract_eval(reduce_scatter_p, lambda x, *, comm, op: _core.shaped(x.shape[1:], x.dtype))
@@ -134,10 +133,4 @@ def reduce_scatter(x: Any, op: Any = "sum", *, comm: Any = None) -> Any:
     comm = resolve_comm(comm)
     op = resolve_op(op)
 
-    def one(a):
-        a = _core.as_array(a)
-        check_dtype(a.dtype, "reduce_scatter", op)
-        check_leading_dim(a, comm, "reduce_scatter")
-        return _core.bind(reduce_scatter_p, a, comm=comm, op=op)
-
-    return _core.tree_apply(one, x)
+    return _core.apply_collective(reduce_scatter_p, x, opname="reduce_scatter", comm=comm, op=op, one_block_per_rank=True)

@@ -6,7 +6,7 @@ identity: 0 (sum), 1 (prod), the dtype's largest value for min (+inf for
 floats, True for bool) and its lowest for max (-inf, False). One primitive,
 ``scan_p``, with a static ``exclusive`` parameter (MPI_Scan / MPI_Exscan).
 
-AD (shared/design/ad-convention.md, the adjoint of the whole SPMD program):
+AD (docs/ad.md, "The convention: the adjoint of the whole SPMD program"):
   sum   linear. ẏ = SCAN(ẋ). Transpose: the suffix sum x̄_s = Σ_{r≥s} ȳ_r
         (exscan: Σ_{r>s} ȳ_r, so rank 0's identity output takes no
         cotangent). Computed exactly by recursive doubling in the reversed

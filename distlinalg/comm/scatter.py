@@ -12,7 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import Communicator, check_dtype, check_rank, resolve_comm
+from .._mpi import Communicator, check_rank, resolve_comm
 from . import _core
 from ._core import ad, batching
 
@@ -47,16 +47,6 @@ ad.primitive_transposes[scatter_p] = _scatter_transpose
 batching.primitive_batchers[scatter_p] = _scatter_batch
 
 
-def check_leading_dim(a: Any, comm: Communicator, opname: str) -> None:
-    """Ops taking one block per rank need a leading axis of length size."""
-    shape = np.shape(a)
-    if len(shape) == 0 or shape[0] != comm.size:
-        raise ValueError(
-            f"distlinalg.{opname}: x must have shape (size, ...) = ({comm.size}, ...), one block per "
-            f"rank, got shape {tuple(shape)}"
-        )
-
-
 def scatter(x: Any, *, root: int = 0, comm: Any = None) -> Any:
     """Send row r of root's `x` to rank r.
 
@@ -75,10 +65,4 @@ def scatter(x: Any, *, root: int = 0, comm: Any = None) -> Any:
     comm = resolve_comm(comm)
     root = check_rank(root, comm, "root", "scatter")
 
-    def one(a):
-        a = _core.as_array(a)
-        check_dtype(a.dtype, "scatter")
-        check_leading_dim(a, comm, "scatter")
-        return _core.bind(scatter_p, a, comm=comm, root=root)
-
-    return _core.tree_apply(one, x)
+    return _core.apply_collective(scatter_p, x, opname="scatter", comm=comm, root=root, one_block_per_rank=True)

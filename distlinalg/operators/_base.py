@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from .._mpi import Communicator, resolve_comm
+from ..comm.fused import tree_allreduce
 from ._partition import allgather_blocks, exchange_sizes, partition_of_local_sizes
 
 LAYOUTS = ("replicated", "sharded")
@@ -36,9 +37,6 @@ def _conj(tree: Any) -> Any:
 
 def _is_complex(structure: Any) -> bool:
     return any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in jax.tree_util.tree_leaves(structure))
-
-
-from ..ad.grad import sum_tree_over_ranks as sum_over_ranks  # noqa: E402,F401  (re-exported)
 
 
 def _is_traced(tree: Any) -> bool:
@@ -263,7 +261,7 @@ class LinearOperator:
             # A_rᵀ Σ_s w_s for y = allreduce(A_r x)); the matrix transpose
             # every rank holds is their mean (docs/ad.md, "replicated
             # operators"). A rank-local matvec already gives Aᵀ w.
-            result = jax.tree_util.tree_map(lambda t: t / self.comm.size, sum_over_ranks(result, self.comm))
+            result = jax.tree_util.tree_map(lambda t: t / self.comm.size, tree_allreduce(result, comm=self.comm))
         return result
 
     @property

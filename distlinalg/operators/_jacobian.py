@@ -50,7 +50,8 @@ from .. import _compat
 from .._mpi import Communicator
 from ..comm import _core
 from ..comm.allreduce import allreduce
-from ._base import LinearOperator, sum_over_ranks
+from ..comm.fused import tree_allreduce
+from ._base import LinearOperator
 from ._partition import exchange_sizes
 
 MODES = ("real", "complex", "holomorphic")
@@ -457,7 +458,7 @@ class LinearisedModel:
     def _sum_over_ranks(self, tree: Any) -> Any:
         """Σ over ranks of per-rank parameter-space pieces (replicated params);
         with sharded params the model's collectives have summed already."""
-        return tree if self.sharded_params else sum_over_ranks(tree, self.comm)
+        return tree if self.sharded_params else tree_allreduce(tree, comm=self.comm)
 
     # -- Ō u and Ōᵀ w --------------------------------------------------------------
     def mean_dot(self, u: Any) -> jax.Array:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from .. import ad
 from .._mpi import Communicator, resolve_comm
-from ._base import sum_over_ranks
+from ..comm.fused import tree_allreduce
 from ._jacobian import LinearisedOperator, TraceLocal, _shape_structs, _structure_of, hash_of
 
 _NAME = "distlinalg.operators"
@@ -188,7 +188,7 @@ class GaussNewtonOperator(_CurvatureOperator):
         if point.spec.sharded_params or comm.size == 1:
             return local
         # Rank r's transpose covers its own copy of the parameters.
-        return sum_over_ranks(local, comm)
+        return tree_allreduce(local, comm=comm)
 
 
 def hessian(

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _compat
-from ..ad.grad import sum_tree_over_ranks
+from ..comm.fused import tree_allreduce
 from . import _common as C
 from ._agreement import agree_inputs
 
@@ -70,7 +70,7 @@ def krylov_solve(
             # Without it the transposed solve mixes rank-dependent vectors in
             # a matvec that assumes identical copies.
             rhs = jax.tree_util.tree_map(lambda v: v / jnp.asarray(replicated_ranks, v.dtype),
-                                         sum_tree_over_ranks(rhs, reductions.comm))
+                                         tree_allreduce(rhs, comm=reductions.comm))
         # Scale by the largest entry, not the 2-norm: the squared norm of a
         # 1e-300 cotangent is already 0. A zero or non-finite rhs keeps
         # scale 1 (the iteration then reports it).
@@ -137,7 +137,7 @@ def replicated_transpose(vecmat: Callable[[Any], Any], comm: Any) -> Callable[[A
     ranks = comm.size
 
     def transposed(w: Any) -> Any:
-        total = sum_tree_over_ranks(vecmat(w), comm)
+        total = tree_allreduce(vecmat(w), comm=comm)
         return jax.tree_util.tree_map(lambda v: v / jnp.asarray(ranks, v.dtype), total)
 
     return transposed
