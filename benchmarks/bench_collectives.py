@@ -3,6 +3,7 @@
     mpiexec -n 2 python benchmarks/bench_collectives.py \
         [--contenders distlinalg-jit distlinalg-eager mpi4py] [--sizes 8 65536 1048576] \
         [--ops allreduce allgather bcast alltoall sendrecv] [--repeats 3] [--target 0.05] [--json FILE]
+    mpiexec -n 2 python benchmarks/bench_collectives.py --check [--repeats 7] [--output FILE] [--json FILE]
 
 Contenders (any subset; mpi4py is always measured too, as the reference of the run):
   distlinalg-jit    a jitted ``lax.fori_loop`` of calls (trip count a runtime argument;
@@ -11,6 +12,8 @@ Contenders (any subset; mpi4py is always measured too, as the reference of the r
   distlinalg-eager  a Python loop of un-jitted calls (after the first call)
   jax-eager-floor   no communication: a jitted negation of the same buffer, called
                     eagerly and blocked on (the cheapest eager JAX operation)
+  jax-eager-add     no communication: ``x + 0`` un-jitted, blocked on once after the
+                    loop as distlinalg-eager is (the floor --check reports)
   mpi4py            uppercase methods on numpy buffers (Allreduce, Allgather, Bcast,
                     Alltoall, Sendrecv)
   mpi4jax           (peers venv) a jitted fori_loop of mpi4jax calls
@@ -29,11 +32,23 @@ receive buffer y (y = op(x)), so XLA neither copies nor allocates per call.
 Every (op, size) is timed `repeats` times, the contenders interleaved; each
 sample runs enough calls to last about `target` seconds (calibrated per
 contender, the count agreed across ranks) and the slowest rank's time counts.
+
+--check: allreduce against mpi4py with the issue's targets (ratio distlinalg / mpi4py
+in brackets), each case at a fixed call count instead of a calibrated one, timed
+`repeats` times (default 7) alternating the contenders; the median per call, a
+markdown table on stdout (appended to --output FILE):
+  * in-jit allreduce of 1 float64: a fori_loop of 10^4 calls vs a Python loop of
+    10^4 ``comm.Allreduce`` on numpy arrays                          [<= 1.0]
+  * in-jit allreduce of 2^20 float64 (8 MiB): a fori_loop of 20 calls   [<= 1.05]
+  * eager (un-jitted) allreduce of 1 float64, after the first call, 2000 calls
+    [<= 3.0], next to the cost of one eager JAX op (``x + 0``, jax-eager-add),
+    the floor of any eager path that returns a jax.Array
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import socket
 import sys
@@ -268,14 +283,92 @@ def make_jax_gloo(op, n, comm):
     return run
 
 
+def make_jax_eager_add(op, n, comm):
+    """``x + 0`` un-jitted on the same buffer, blocked on once after the loop (as
+    distlinalg-eager is): one eager JAX op, the floor --check reports; no communication."""
+    import jax.numpy as jnp
+
+    x = jnp.ones(n)
+
+    def run(count):
+        out = x
+        for _ in range(count):
+            out = x + 0
+        out.block_until_ready()
+
+    return run
+
+
 MAKERS = {
     "mpi4py": make_mpi4py,
     "distlinalg-jit": make_distlinalg_jit,
     "distlinalg-eager": make_distlinalg_eager,
     "jax-eager-floor": make_jax_eager_floor,
+    "jax-eager-add": make_jax_eager_add,
     "mpi4jax": make_mpi4jax,
     "jax-gloo": make_jax_gloo,
 }
+
+
+# --check: allreduce against mpi4py at fixed call counts, with the issue's targets:
+# (case, contender, message bytes, calls per timed sample, target ratio to mpi4py).
+CHECK_CASES = (
+    ("in-jit allreduce, 1 float64 (fori_loop of 10^4)", "distlinalg-jit", 8, 10_000, 1.0),
+    ("in-jit allreduce, 2^20 float64 (fori_loop of 20)", "distlinalg-jit", 8 << 20, 20, 1.05),
+    ("eager allreduce, 1 float64 (after the first call)", "distlinalg-eager", 8, 2_000, 3.0),
+)
+CHECK_FLOOR = "jax-eager-add"  # timed next to the eager case
+
+
+def run_check(comm, repeats: int) -> list[dict]:
+    """Time CHECK_CASES: per case the contender, mpi4py (and for the eager case the eager JAX
+    floor), each warmed up with one run of the case's calls, then timed `repeats` times
+    interleaved; per-call medians (the slowest rank's time)."""
+    size = comm.Get_size()
+    rows = []
+    for case, contender, nbytes, calls, target in CHECK_CASES:
+        n = elements("allreduce", nbytes, size)
+        names = [contender, "mpi4py"] + ([CHECK_FLOOR] if contender == "distlinalg-eager" else [])
+        runners = {name: MAKERS[name]("allreduce", n, comm) for name in names}
+        for run in runners.values():
+            run(calls)  # compile / first call
+        samples = {name: [] for name in runners}
+        for _ in range(repeats):
+            for name, run in runners.items():
+                samples[name].append(_util.timed_once(lambda r=run: r(calls), comm) / calls)
+        medians = {name: _util.median(vals) for name, vals in samples.items()}
+        rows.append({"case": case, "contender": contender, "bytes": nbytes, "calls": calls, "target": target,
+                     "seconds": medians[contender], "mpi4py_seconds": medians["mpi4py"],
+                     "floor_seconds": medians.get(CHECK_FLOOR), "samples": samples})
+    return rows
+
+
+def check_markdown(rows: list[dict], size: int) -> str:
+    """The check's table: per case distlinalg and mpi4py per call, the ratio and its target
+    (ok / MISSED), then the eager case in units of the eager JAX floor."""
+    import jax
+
+    lines = [
+        f"### allreduce vs mpi4py `Allreduce` on numpy, {size} ranks "
+        f"(jax {jax.__version__}, {MPI.Get_library_version().splitlines()[0].strip()})",
+        "",
+        "| case | distlinalg per call | mpi4py per call | ratio | target |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ours, theirs, target = r["seconds"], r["mpi4py_seconds"], r["target"]
+        ratio = ours / theirs
+        mark = "ok" if ratio <= target else "MISSED"
+        lines.append(f"| {r['case']} | {ours * 1e6:.2f} µs | {theirs * 1e6:.2f} µs | {ratio:.2f} | ≤ {target} ({mark}) |")
+    eager = next(r for r in rows if r["floor_seconds"] is not None)
+    floor = eager["floor_seconds"]
+    lines += [
+        "",
+        f"For scale: one eager JAX op (`x + 0` on the same 1-element array) costs "
+        f"{floor * 1e6:.2f} µs here ({floor / eager['mpi4py_seconds']:.1f}x mpi4py's allreduce): "
+        f"the eager allreduce costs {eager['seconds'] / floor:.2f} eager JAX ops.",
+    ]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -285,10 +378,18 @@ def main() -> None:
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     parser.add_argument("--sizes", nargs="+", type=int, help="message sizes in bytes (default: 8 B .. 64 MiB)")
     parser.add_argument("--quick", action="store_true", help="sizes 8 B, 64 KiB, 1 MiB")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, help="timed samples per size (default 3; 7 with --check)")
     parser.add_argument("--target", type=float, default=0.05, help="seconds per timed sample")
     parser.add_argument("--json", help="write results here (rank 0)")
+    parser.add_argument("--check", action="store_true",
+                        help="only the allreduce cases with the issue's targets, at fixed call counts (see above)")
+    parser.add_argument("--output", help="with --check: append its markdown table to this file")
     args = parser.parse_args()
+    if args.repeats is None:
+        args.repeats = 7 if args.check else 3
+    if args.check:
+        check_main(args)
+        return
     sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
     contenders = ["mpi4py"] + [c for c in args.contenders if c != "mpi4py"]
 
@@ -308,9 +409,9 @@ def main() -> None:
             continue
         try:
             if name.startswith("distlinalg"):
-                import distlinalg  # noqa: F401
+                importlib.import_module("distlinalg")
             elif name == "mpi4jax":
-                import mpi4jax  # noqa: F401
+                importlib.import_module("mpi4jax")
         except Exception as exc:  # noqa: BLE001
             skipped[name] = f"import failed: {type(exc).__name__}: {exc}"
     # Every rank must agree on who runs.
@@ -370,6 +471,33 @@ def main() -> None:
     comm.Barrier()
     if "jax-gloo" in active:
         jax.distributed.shutdown()
+
+
+def check_main(args) -> None:
+    """--check: run_check, its table printed (and appended to --output) and its JSON, by rank 0."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    importlib.import_module("distlinalg")  # fails loudly: every case is distlinalg's
+
+    comm = MPI.COMM_WORLD.Dup()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    t_start = time.perf_counter()
+    rows = run_check(comm, args.repeats)
+    if rank == 0:
+        text = check_markdown(rows, size)
+        print(text)
+        if args.output:
+            with open(args.output, "a") as f:
+                f.write(text + "\n\n")
+        if args.json:
+            _util.write_json(args.json, {
+                "bench": "collectives-check", "ranks": size, "cases": rows, "repeats": args.repeats,
+                "seconds": time.perf_counter() - t_start, "versions": _util.versions(),
+                "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+                "oversubscribed": size > (os.cpu_count() or 1)})
+    comm.Barrier()
+    comm.Free()
 
 
 if __name__ == "__main__":

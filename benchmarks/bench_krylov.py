@@ -1,15 +1,19 @@
 """Krylov solvers on the 2-D Poisson problem, side by side in one run.
 
     mpiexec -n 2 python benchmarks/bench_krylov.py [--n 1000] [--iters 200] [--output FILE]
-        [--contenders distlinalg-cg distlinalg-cg-sr distlinalg-minres jax-scipy-cg scipy-cg]
-        [--converge] [--repeats 3] [--json FILE]
+        [--contenders distlinalg-cg distlinalg-cg-sr distlinalg-minres distlinalg-cg-local jax-scipy-cg scipy-cg]
+        [--operator library|local] [--converge] [--repeats 3] [--json FILE]
 
 5-point Laplacian on an n×n grid (Dirichlet, unscaled: 4 on the diagonal),
-grid rows split across ranks, matrix-free with two sendrecvs of one grid row
-per matvec: this file's stencil on (rows, n) blocks (the figures quoted so
-far; ``--operator library`` switches to the library's) and, as the
-contender ``distlinalg-cg-lib``, ``distlinalg.operators.laplacian_2d(n)`` on
-flat vectors; b = A·1, x0 = 0, rtol 1e-8.
+grid rows split across ranks, matrix-free with a halo exchange of one grid
+row each way per matvec; b = A·1, x0 = 0, rtol 1e-8. The distlinalg solvers
+(distlinalg-cg, -cg-sr, -cg-pipe, -minres) run on the library's operator,
+``distlinalg.operators.laplacian_2d(n)`` on flat vectors, unless
+``--operator local`` puts them on this file's own stencil: (rows, n) blocks,
+two sendrecvs per matvec (the stencil earlier figures were measured with).
+Whatever --operator says, the contender ``distlinalg-cg-local`` is cg on
+this file's stencil (the comparison row run_all.py shows) and
+``distlinalg-cg-lib`` cg on the library's.
 
 Time per iteration: a fixed budget of --iters iterations (below convergence,
 so every solver runs them all), median over --repeats. With --converge, one
@@ -75,14 +79,15 @@ from mpi4py import MPI  # noqa: E402
 import _util  # noqa: E402
 
 STREAMS = {"cg": 11, "cg-sr": 11, "cg-pipe": 20, "minres": 12}
-CONTENDERS = ("distlinalg-cg", "distlinalg-cg-sr", "distlinalg-cg-pipe", "distlinalg-minres", "distlinalg-cg-lib", "jax-scipy-cg",
-              "scipy-cg", "petsc-cg", "petsc-minres")
+CONTENDERS = ("distlinalg-cg", "distlinalg-cg-sr", "distlinalg-cg-pipe", "distlinalg-minres", "distlinalg-cg-lib",
+              "distlinalg-cg-local", "jax-scipy-cg", "scipy-cg", "petsc-cg", "petsc-minres")
 LABELS = {
     "distlinalg-cg": "distlinalg cg",
     "distlinalg-cg-sr": "distlinalg cg single-reduction",
     "distlinalg-cg-pipe": "distlinalg cg pipelined",
     "distlinalg-minres": "distlinalg minres",
     "distlinalg-cg-lib": "distlinalg cg, operators.laplacian_2d (flat vectors)",
+    "distlinalg-cg-local": "distlinalg cg, bench_krylov's own 2-D block stencil",
     "jax-scipy-cg": "jax.scipy.sparse.linalg.cg, 1 process (peer)",
     "scipy-cg": "scipy.sparse.linalg.cg CSR, 1 process (peer)",
     "petsc-cg": "PETSc KSPCG (peer)",
@@ -99,6 +104,7 @@ def stencil(u, up, down):
 
 
 def distributed_laplacian(rank, size):
+    """This file's matvec on a (rows, n) block of grid rows: two sendrecvs of one row, then `stencil`."""
     from distlinalg.comm import sendrecv
 
     above = rank - 1 if rank > 0 else MPI.PROC_NULL
@@ -184,11 +190,14 @@ def scipy_laplacian(n):
 
 # ---------------------------------------------------------------------------
 def distlinalg_solver(name, args, comm):
+    """Set-up of a distlinalg contender on the operator it runs on (--operator, or the one its name
+    fixes): the jitted budget solve, allreduces per iteration, sample() and, with --converge, converge()."""
     import distlinalg as dl
 
     rank, size = comm.Get_rank(), comm.Get_size()
     n = args.n
-    if args.operator == "library" or name == "distlinalg-cg-lib":
+    library = {"distlinalg-cg-lib": True, "distlinalg-cg-local": False}.get(name, args.operator == "library")
+    if library:
         from distlinalg.operators import laplacian_2d
 
         op = laplacian_2d(n)
@@ -388,8 +397,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200, help="iteration budget for the time per iteration")
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS,
                         default=["distlinalg-cg", "distlinalg-cg-sr", "distlinalg-minres", "jax-scipy-cg"])
-    parser.add_argument("--operator", choices=["library", "local"], default="local",
-                        help="stencil of the distlinalg solvers (distlinalg-cg-lib always uses the library's)")
+    parser.add_argument("--operator", choices=["library", "local"], default="library",
+                        help="operator of the distlinalg solvers: operators.laplacian_2d (default) or this file's "
+                             "stencil (distlinalg-cg-lib / distlinalg-cg-local always use the library's / this file's)")
     parser.add_argument("--converge", action="store_true", help="also solve to rtol 1e-8 once (iterations)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--triad-elements", type=int, default=1 << 24)
