@@ -14,10 +14,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from .._mpi import Communicator, resolve_comm
 from ..comm.fused import tree_allreduce
+from ._pairs import stack_complex, unstack_complex
 from ._partition import allgather_blocks, exchange_sizes, partition_of_local_sizes
 
 LAYOUTS = ("replicated", "sharded")
@@ -137,11 +139,16 @@ class LinearOperator:
     ``c * A`` (c a scalar, possibly traced: a child of the product), ``A.T``,
     ``A.H``. Operands must share layout and communicator (else ValueError).
 
-    Example::
-
-        A = LinearOperator(lambda M, v: M @ v, data=M, input_structure=x,
-                           transpose=lambda M, w: M.T @ w)
-        y = jax.jit(lambda A, v: (2.0 * A + A.T) @ v)(A, x)
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from distlinalg.operators import LinearOperator
+      >>> M = jnp.array([[2.0, 1.0], [0.0, 3.0]])
+      >>> A = LinearOperator(lambda M, v: M @ v, data=M, input_structure=jnp.zeros(2),
+      ...                    transpose=lambda M, w: M.T @ w)
+      >>> A
+      LinearOperator(layout='replicated')
+      >>> jax.jit(lambda A, v: (2.0 * A + A.T) @ v)(A, jnp.ones(2))  # M is traced
+      Array([ 8., 10.], dtype=float32)
     """
 
     # Attributes that are pytree children; subclasses may add their own.
@@ -206,7 +213,15 @@ class LinearOperator:
 
     # -- application -------------------------------------------------------
     def matvec(self, v: Any) -> Any:
-        """A v (this rank's piece of the result)."""
+        """A v (this rank's piece of the result); ``A @ v`` and ``A(v)`` call it.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from distlinalg.operators import aslinearoperator
+          >>> A = aslinearoperator(jnp.array([[1.0, 2.0], [3.0, 4.0]]))
+          >>> A.matvec(jnp.array([1.0, 1.0]))
+          Array([3., 7.], dtype=float32)
+        """
         return self._matvec(self._data, v) if self._bound else self._matvec(v)
 
     def __call__(self, v: Any) -> Any:
@@ -243,7 +258,15 @@ class LinearOperator:
 
     # -- derived operators -------------------------------------------------
     def transpose_matvec(self, w: Any) -> Any:
-        """Aᵀ w (unconjugated), this rank's piece; see :attr:`T`."""
+        """Aᵀ w (unconjugated), this rank's piece; see :attr:`T`.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from distlinalg.operators import aslinearoperator
+          >>> A = aslinearoperator(jnp.array([[1.0, 2.0], [3.0, 4.0]]))
+          >>> A.transpose_matvec(jnp.array([1.0, 1.0]))  # the same as A.T @ w
+          Array([4., 6.], dtype=float32)
+        """
         if self._transpose is not None:
             return self._transpose(self._data, w) if self._bound else self._transpose(w)
         if self.symmetric or (self.hermitian and not self.real_linear and not _is_complex(self.input_structure)):
@@ -276,6 +299,16 @@ class LinearOperator:
         adjoint (docs/ad.md), not Aᵀ w; ``.T`` returns its mean over ranks,
         which is Aᵀ w for the matrix A every rank applies (one allreduce per
         matvec of the transpose). AD: differentiable like the matvec.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from distlinalg.operators import LinearOperator
+          >>> M = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+          >>> A = LinearOperator(lambda v: M @ v, input_structure=jnp.zeros(2))  # no transpose given
+          >>> A.T @ jnp.array([1.0, 0.0])               # by jax.linear_transpose
+          Array([1., 2.], dtype=float32)
+          >>> bool(jnp.allclose(A.T.to_dense(), M.T))
+          True
         """
         if self.symmetric or (self.hermitian and not self.real_linear and not _is_complex(self.input_structure)):
             return self
@@ -296,7 +329,18 @@ class LinearOperator:
 
     @property
     def H(self) -> "LinearOperator":
-        """Aᴴ (conjugate transpose): w ↦ conj(Aᵀ conj(w)); see :attr:`T`."""
+        """Aᴴ (conjugate transpose): w ↦ conj(Aᵀ conj(w)); see :attr:`T`.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from distlinalg.operators import aslinearoperator
+          >>> M = jnp.array([[1.0 + 1.0j, 2.0], [0.0, 3.0j]])
+          >>> A = aslinearoperator(M)
+          >>> bool(jnp.allclose(A.H @ jnp.ones(2), M.conj().T @ jnp.ones(2)))
+          True
+          >>> bool(jnp.allclose(A.H.to_dense(), M.conj().T))
+          True
+        """
         if self.hermitian:
             return self
         return LinearOperator(
@@ -317,7 +361,17 @@ class LinearOperator:
         return self._diagonal_fn is not None or self._diagonal_value is not None
 
     def diagonal(self) -> Any:
-        """The diagonal, shaped like the vectors (this rank's block when sharded)."""
+        """The diagonal, shaped like the vectors (this rank's block when sharded).
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from distlinalg.operators import LinearOperator, aslinearoperator
+          >>> aslinearoperator(jnp.array([[2.0, 1.0], [1.0, 3.0]])).diagonal()
+          Array([2., 3.], dtype=float32)
+          >>> d = jnp.array([1.0, 2.0, 3.0])
+          >>> LinearOperator(lambda v: d * v, diagonal=d).diagonal()  # or a callable returning it
+          Array([1., 2., 3.], dtype=float32)
+        """
         if self._diagonal_value is not None:
             return self._diagonal_value
         if self._diagonal_fn is None:
@@ -337,6 +391,16 @@ class LinearOperator:
         operator gives the real matrix acting on ``[Re v; Im v]``. Every rank
         must call it together (sharded layout: it exchanges block sizes and
         gathers the rows).
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from distlinalg import comm
+          >>> from distlinalg.operators import Partition, dense_rows
+          >>> M = jnp.arange(16.0).reshape(4, 4)       # the global matrix, on every rank
+          >>> p = Partition.even(4, comm.size())
+          >>> A = dense_rows(M[p.starts[comm.rank()] : p.starts[comm.rank() + 1]])  # this rank's rows
+          >>> bool(jnp.array_equal(A.to_dense(), M))    # the whole matrix, on every rank
+          True
         """
         if self.input_structure is None:
             raise ValueError(f"distlinalg.operators: {self.name}.to_dense needs input_structure")
@@ -348,9 +412,8 @@ class LinearOperator:
             basis_dtype = jnp.real(flat_in).dtype
 
             def column(e: Any) -> Any:
-                v = unravel_in((e[:n_in] + 1j * e[n_in:]).astype(flat_in.dtype))
-                out, _ = ravel_pytree(self.matvec(v))
-                return jnp.concatenate([jnp.real(out), jnp.imag(out)])
+                out, _ = ravel_pytree(self.matvec(unravel_in(unstack_complex(e, flat_in.dtype))))
+                return stack_complex(out)
 
             local_in = 2 * n_in
         else:
@@ -537,42 +600,74 @@ def gather_rows(rows: jax.Array, comm: Communicator) -> jax.Array:
 
 
 def aslinearoperator(A: Any, *, layout: str = "replicated", comm: Any = None) -> LinearOperator:
-    """A LinearOperator from an operator, a dense replicated matrix, or a callable.
+    """A LinearOperator from an operator, a callable, a dense replicated matrix,
+    or any object with ``__matmul__``.
 
-    A dense (M, N) matrix becomes a replicated operator whose child is the
-    matrix (so it is traced when the operator is passed to a jitted
-    function); a callable becomes an operator with no children (what it
-    closes over is a constant of the programs it is passed into).
+    * a LinearOperator: returned as it is (it keeps its own layout);
+    * a callable ``v -> A v``: an operator with that matvec in `layout`, with
+      no children (what it closes over is a constant of the programs the
+      operator is passed into);
+    * a NumPy or JAX (M, N) matrix: a replicated operator whose child is the
+      matrix (traced when the operator is passed to a jitted function), with
+      its diagonal and transpose, applied at the highest matmul precision (as
+      jax.scipy's solvers apply matrices);
+    * another object with ``__matmul__`` (a SciPy sparse matrix, a lineax
+      operator wrapper, ...): ``v -> A @ v`` in `layout`.
 
-    Example::
+    Args:
+      A: what to wrap (see above).
+      layout: ``"replicated"`` or ``"sharded"`` for callables and ``__matmul__``
+        objects; a dense array is replicated (a ValueError otherwise: a matrix
+        split by rows is :func:`distlinalg.operators.dense_rows`).
+      comm: mpi4py communicator (default distlinalg's).
 
-        A = aslinearoperator(jnp.eye(3))
-        y = A @ jnp.ones(3)
+    Returns:
+      A :class:`LinearOperator`; anything else is a TypeError.
+
+    AD: a dense operator is differentiable with respect to its matrix; a
+    callable with respect to what it closes over when it is called inside the
+    differentiated function.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg.operators import aslinearoperator
+      >>> A = aslinearoperator(jnp.array([[2.0, 1.0], [1.0, 3.0]]))
+      >>> A @ jnp.ones(2)
+      Array([3., 4.], dtype=float32)
+      >>> A.diagonal()
+      Array([2., 3.], dtype=float32)
     """
     if isinstance(A, LinearOperator):
         return A
+    if layout not in LAYOUTS:
+        raise ValueError(f"distlinalg.operators: layout must be one of {LAYOUTS}, got {layout!r}")
     if callable(A):
         return LinearOperator(A, layout=layout, comm=comm)
-    matrix = jnp.asarray(A)
-    if matrix.ndim != 2:
-        raise ValueError(f"distlinalg.operators: a dense operator must be a matrix, got shape {matrix.shape}")
-    if layout != "replicated":
-        raise ValueError("distlinalg.operators: a dense array is replicated; use dense_rows for row blocks")
-    return LinearOperator(
-        _dense_matvec,
-        data=matrix,
-        input_structure=jax.ShapeDtypeStruct((matrix.shape[1],), matrix.dtype),
-        output_structure=jax.ShapeDtypeStruct((matrix.shape[0],), matrix.dtype),
-        diagonal=jnp.diagonal if matrix.shape[0] == matrix.shape[1] else None,
-        transpose=_dense_transpose,
-        comm=comm,
-        name="DenseOperator",
-    )
+    if isinstance(A, (np.ndarray, jax.Array)):
+        matrix = jnp.asarray(A)
+        if matrix.ndim != 2:
+            raise ValueError(f"distlinalg.operators: a dense operator must be a matrix, got shape {matrix.shape}")
+        if layout != "replicated":
+            raise ValueError("distlinalg.operators: a dense array is replicated; use dense_rows for row blocks")
+        return LinearOperator(
+            _dense_matvec,
+            data=matrix,
+            input_structure=jax.ShapeDtypeStruct((matrix.shape[1],), matrix.dtype),
+            output_structure=jax.ShapeDtypeStruct((matrix.shape[0],), matrix.dtype),
+            diagonal=jnp.diagonal if matrix.shape[0] == matrix.shape[1] else None,
+            transpose=_dense_transpose,
+            comm=comm,
+            name="DenseOperator",
+        )
+    if hasattr(A, "__matmul__"):
+        return LinearOperator(lambda v: A @ v, layout=layout, comm=comm, name=f"MatmulOperator({type(A).__name__})")
+    raise TypeError(f"distlinalg.operators: cannot make a linear operator of {A!r}: pass a LinearOperator, "
+                    "a callable, a 2-D array or an object with __matmul__")
 
 
 def _dense_matvec(matrix: jax.Array, v: Any) -> Any:
-    return matrix @ v
+    return jnp.matmul(matrix, v, precision=jax.lax.Precision.HIGHEST)
 
 
 def _dense_transpose(matrix: jax.Array, w: Any) -> Any:
-    return matrix.T @ w
+    return jnp.matmul(matrix.T, w, precision=jax.lax.Precision.HIGHEST)

@@ -52,6 +52,7 @@ from ..comm import _core
 from ..comm.allreduce import allreduce
 from ..comm.fused import tree_allreduce
 from ._base import LinearOperator
+from ._pairs import join_complex, split_complex
 from ._partition import exchange_sizes
 
 MODES = ("real", "complex", "holomorphic")
@@ -70,16 +71,6 @@ def channel_dot(rows: Any, v: Any) -> jax.Array:
     """(k,) products Σ_j rows[c, j] v_j (no conjugate) of k rows shaped like v."""
     parts = [jnp.sum((m * x[None]).reshape(m.shape[0], -1), axis=1) for m, x in zip(leaves(rows), leaves(v))]
     return sum(parts[1:], parts[0])
-
-
-def split_complex(tree: Any) -> Any:
-    """θ ↦ θ̃ = (Re θ, Im θ)."""
-    return (tree_map(jnp.real, tree), tree_map(jnp.imag, tree))
-
-
-def join_complex(pair: Any) -> Any:
-    """θ̃ = (Re θ, Im θ) ↦ θ."""
-    return tree_map(lambda r, i: r + 1j * i, *pair)
 
 
 def _is_complex(tree: Any) -> bool:

@@ -22,26 +22,46 @@ def exchange_sizes(value: int, comm: Communicator) -> np.ndarray:
     shapes, known before the program runs); it is ordered after everything
     this rank dispatched before. Every rank must call it together.
     """
-    if comm.size == 1:
-        return np.asarray([value], np.int64)
-    with jax.ensure_compile_time_eval():
-        return np.asarray(allgather(jnp.asarray(value, jnp.int64), comm=comm), np.int64)
+    return exchange_rows(np.asarray([value], np.int64), comm)[:, 0]
 
 
 def exchange_rows(row: np.ndarray, comm: Communicator) -> np.ndarray:
     """Every rank's int vector `row` (the same length everywhere), stacked (size, len), at trace time.
 
-    The same eager allgather as `exchange_sizes`.
+    The same eager allgather as `exchange_sizes`. The int64 entries travel as
+    pairs of int32 words, so they are exact whether or not JAX has x64
+    enabled (without it a JAX int64 array would be truncated to int32).
     """
-    row = np.asarray(row, np.int64)
+    row = np.ascontiguousarray(row, np.int64)
     if comm.size == 1:
         return row[None]
     with jax.ensure_compile_time_eval():
-        return np.asarray(allgather(jnp.asarray(row, jnp.int64), comm=comm), np.int64)
+        words = np.asarray(allgather(jnp.asarray(row.view(np.int32)), comm=comm), np.int32)
+    return np.ascontiguousarray(words).view(np.int64).reshape(comm.size, row.size)
 
 
 class Partition(NamedTuple):
-    """Contiguous blocks: rank r owns global indices [starts[r], starts[r+1])."""
+    """Contiguous blocks: rank r owns global indices [starts[r], starts[r+1]).
+
+    The operators' ``row_partition`` / ``column_partition`` arguments accept
+    one (or the list of its block sizes).
+
+    Example:
+      >>> import numpy as np
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import Partition, laplacian_2d
+      >>> p = Partition.even(10, 3)                # 10 indices over 3 ranks
+      >>> p
+      Partition(starts=(0, 4, 7, 10))
+      >>> p.sizes, p.total, p.size_of(1)
+      ((4, 3, 3), 10, 3)
+      >>> p.owner(np.array([0, 4, 9]))
+      array([0, 1, 2])
+      >>> q = Partition.even(4, comm.size())       # 4 grid rows over this job's ranks
+      >>> A = laplacian_2d(4, row_partition=q)
+      >>> A.input_structure.shape == (4 * q.size_of(comm.rank()),)
+      True
+    """
 
     starts: tuple[int, ...]  # size + 1 entries, starts[-1] = total
 

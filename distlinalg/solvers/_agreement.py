@@ -35,7 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..comm.allreduce import allreduce
+from . import _arguments
 from . import _common as C
+from ._vectors import common_dtype, scalar_dtype
 
 _HALF = 1 << 16  # maxiter is sent as two 16-bit halves (exact in float32)
 _SIZE_HALF = 1 << 20  # sizes as hi * 2^20 + lo: exact in float32 up to 2^44
@@ -50,13 +52,13 @@ class Agreement(NamedTuple):
     maxiter: Any  # Python int or int32 scalar; identical wherever it is used
 
 
-def agree_inputs(b: Any, problem: C.Problem) -> Agreement:
+def agree_inputs(b: Any, problem: _arguments.Problem) -> Agreement:
     """Compare the inputs across ranks (one allreduce; none on one rank)."""
     red = problem.reductions
     comm, layout = red.comm, red.layout
     dtype = _message_dtype(b)
     if comm.size == 1:
-        maxiter = problem.maxiter if problem.maxiter is not None else C.default_maxiter(b)
+        maxiter = problem.maxiter if problem.maxiter is not None else _arguments.default_maxiter(b)
         consistent = True if problem.invalid is False else ~problem.invalid
         return Agreement(consistent, problem.rtol, problem.atol, maxiter)
     b = jax.lax.stop_gradient(b)
@@ -80,7 +82,7 @@ def agree_inputs(b: Any, problem: C.Problem) -> Agreement:
     rtol_at, atol_at = pair(rtol), pair(atol)
     maxiter_at = [pair(jnp.asarray(half, dtype)) for half in _halves(problem.maxiter, _HALF)]
     invalid_at = single(jnp.asarray(problem.invalid, dtype))
-    local_size = C.global_size(b)
+    local_size = _arguments.global_size(b)
     if layout == "replicated":
         size_at = [pair(jnp.asarray(h, dtype)) for h in _halves(local_size, _SIZE_HALF)]
         stats = _rhs_statistics(b, dtype)
@@ -104,7 +106,7 @@ def agree_inputs(b: Any, problem: C.Problem) -> Agreement:
     if problem.maxiter is not None:
         maxiter = problem.maxiter  # equal on every rank wherever `ok` (else unused)
     elif layout == "replicated":
-        maxiter = C.default_maxiter(b)
+        maxiter = _arguments.default_maxiter(b)
     else:
         maxiter = _sharded_default(block_at(m), comm.size)
     return Agreement(ok, rtol_at(m)[0], atol_at(m)[0], maxiter)
@@ -112,9 +114,9 @@ def agree_inputs(b: Any, problem: C.Problem) -> Agreement:
 
 def _message_dtype(b: Any) -> Any:
     """The real dtype of the solve, at least float32 (maxiter halves stay exact)."""
-    dtype = C.scalar_dtype(b)
+    dtype = scalar_dtype(b)
     real = jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.result_type(float)
-    return C.common_dtype(real, jnp.float32)
+    return common_dtype(real, jnp.float32)
 
 
 def _finite(value: Any) -> Any:
@@ -127,7 +129,7 @@ def _halves(value: Any, base: int) -> list[Any]:
     """`value` as (value // base, value % base); (−1, −1) for None (the default)."""
     if value is None:
         return [-1, -1]
-    if C.is_traced(value):
+    if _arguments.is_traced(value):
         value = jnp.maximum(value, 0)
         return [value // base, value % base]
     return [int(value) // base, int(value) % base]
@@ -154,7 +156,7 @@ def _sharded_default(largest_block: Any, size: int) -> Any:
     """
     per_block = 10 * size
     blocks = jnp.minimum(largest_block, float(1 << 30)).astype(jnp.int32)
-    return jnp.minimum(blocks, C.INT32_MAX // per_block) * per_block
+    return jnp.minimum(blocks, _arguments.INT32_MAX // per_block) * per_block
 
 
 class _RhsStatistics(NamedTuple):

@@ -1,4 +1,4 @@
-"""What the Krylov solvers share: operators, layouts, reductions, info, monitors.
+"""What the Krylov methods share: reasons, info, reductions, stopping.
 
 Layouts
   * ``"replicated"``: every rank holds the whole vector (natural-gradient
@@ -14,6 +14,9 @@ threshold, the stopping quantity, failure codes) is identical on every rank
 by construction, i.e. it comes out of an allreduce. Inputs that may differ
 between ranks are compared in-graph (see ``_agreement``); a disagreement
 stops every rank at the same point with ``Reason.DIVERGED_INCONSISTENT_RANKS``.
+
+Elsewhere: the arguments of a solve (``_arguments``), the vector algebra of
+the recurrences (``_vectors``), the differentiable wrapper (``_driver``).
 """
 
 from __future__ import annotations
@@ -25,17 +28,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .. import _compat
-from .._mpi import Communicator, ReduceOp, resolve_comm
-from ..comm.allgather import allgather
+from .._mpi import Communicator
 from ..comm.allreduce import allreduce
 from ..comm.nonblocking import iallreduce, wait
 from ..comm.overlap import overlap
-from ..operators._base import LinearOperator  # operators never import the solvers
-
-LAYOUTS = ("replicated", "sharded")
+from ._vectors import common_dtype, local_vdot
 
 
 class Reason(enum.IntEnum):
@@ -57,6 +55,15 @@ class Reason(enum.IntEnum):
     These checks are one-sided evidence: passing them does not prove that the
     operator is identical on every rank (an operator that differs only by a
     scale factor is caught only through the curvature).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import distlinalg as dl
+      >>> x, info = dl.cg(jnp.eye(3), jnp.ones(3), maxiter=0)
+      >>> dl.solvers.Reason(int(info.reason)).name
+      'DIVERGED_MAX_IT'
+      >>> dl.solvers.Reason.CONVERGED_RTOL > 0   # converged codes are positive
+      True
     """
 
     CONVERGED_RTOL = 2
@@ -82,6 +89,14 @@ class SolverInfo(NamedTuple):
       reason: a :class:`Reason` code (int32 scalar); ``Reason(int(info.reason))``.
       history: residual norms of iterations 0..history_size-1 (NaN past the
         last iteration), or None when not requested.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import distlinalg as dl
+      >>> A = jnp.diag(jnp.array([1.0, 2.0, 3.0]))
+      >>> x, info = dl.cg(A, jnp.ones(3), rtol=1e-6, history=5)
+      >>> int(info.iterations), bool(info.converged), info.history.shape
+      (3, True, (5,))
     """
 
     iterations: Any
@@ -89,146 +104,6 @@ class SolverInfo(NamedTuple):
     converged: Any
     reason: Any
     history: Any = None
-
-
-# ---------------------------------------------------------------------------
-# Operators
-def is_operator(A: Any) -> bool:
-    """A distlinalg operator (:class:`distlinalg.operators.LinearOperator` or a
-    subclass: it brings its layout and communicator), as opposed to a plain
-    callable, matrix or ``__matmul__`` object."""
-    return isinstance(A, LinearOperator)
-
-
-def as_matvec(A: Any, layout: str, like: Any = None, what: str = "A") -> Callable[[Any], Any]:
-    """``v -> A v`` for what jax.scipy.sparse.linalg accepts, and distlinalg operators.
-
-    * a distlinalg operator: its matvec (its layout must be the solve's);
-    * a callable: itself;
-    * a NumPy or JAX array: a square matrix, replicated layout only (a
-      sharded matrix is an operator from distlinalg.operators), applied at
-      the highest matmul precision as jax.scipy does;
-    * any other object with ``__matmul__`` (and, if it has one, a square
-      ``shape``): ``A @ v``.
-    Anything else is a TypeError. The messages start with jax.scipy's wording.
-    """
-    if is_operator(A):
-        if A.layout != layout:
-            raise ValueError(
-                f"distlinalg: the operator's layout is {A.layout!r} but the solve was asked "
-                f"for layout={layout!r}; pass layout={A.layout!r}"
-            )
-        return A.matvec
-    if callable(A):
-        return A
-    if isinstance(A, (np.ndarray, jax.Array)):
-        if A.ndim != 2 or A.shape[0] != A.shape[1]:
-            raise ValueError(f"linear operator must be a square matrix, but has shape: {A.shape} "
-                             f"(distlinalg: {what} as a dense array)")
-        if layout != "replicated":
-            raise ValueError(
-                f"distlinalg: a dense array {what} is a replicated operator (every rank holds all of it); "
-                "use layout='replicated' or a sharded operator from distlinalg.operators"
-            )
-        if like is not None and not _fits_dense(A, like):
-            shapes = [jnp.shape(leaf) for leaf in jax.tree_util.tree_leaves(like)]
-            raise ValueError(f"distlinalg: a dense {what} of shape {A.shape} does not fit b (leaf shapes {shapes})")
-        matrix = A
-        return lambda v: jnp.matmul(matrix, v, precision=jax.lax.Precision.HIGHEST)
-    if hasattr(A, "__matmul__"):
-        shape = getattr(A, "shape", None)
-        if shape is not None and (len(shape) != 2 or shape[0] != shape[1]):
-            raise ValueError(f"linear operator must be a square matrix, but has shape: {shape}")
-        return lambda v: A @ v
-    raise TypeError(f"linear operator must be either a function or ndarray: {A!r} "
-                    f"(distlinalg: {what} may be a callable, an array, an object with __matmul__ "
-                    "or a distlinalg operator)")
-
-
-def _fits_dense(A: Any, like: Any) -> bool:
-    leaves = jax.tree_util.tree_leaves(like)
-    return len(leaves) == 1 and jnp.ndim(leaves[0]) >= 1 and jnp.shape(leaves[0])[0] == A.shape[1]
-
-
-def identity(v: Any) -> Any:
-    return v
-
-
-def check_layout(layout: str | None) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"distlinalg: layout must be one of {LAYOUTS}, got {layout!r}")
-    return layout
-
-
-def check_same_structure(b: Any, x0: Any) -> None:
-    """x0 fits b (jax.scipy's wording, so code that matches its errors keeps working)."""
-    sb, sx = jax.tree_util.tree_structure(b), jax.tree_util.tree_structure(x0)
-    if sb != sx:
-        raise ValueError(f"x0 and b must have matching tree structure: {sx} vs {sb}")
-    shapes_b = [jnp.shape(leaf) for leaf in jax.tree_util.tree_leaves(b)]
-    shapes_x = [jnp.shape(leaf) for leaf in jax.tree_util.tree_leaves(x0)]
-    if shapes_b != shapes_x:
-        raise ValueError(f"arrays in x0 and b must have matching shapes: {shapes_x} vs {shapes_b}")
-
-
-# ---------------------------------------------------------------------------
-# Vector algebra on pytrees
-def as_coefficient(alpha: Any, leaf: Any) -> Any:
-    """The scalar `alpha` in `leaf`'s dtype (and weak type).
-
-    The recurrences' scalars are real (norms, HPD inner products) or of the
-    system's dtype; casting them to each leaf first keeps every vector update
-    in the vectors' own dtype, so the solvers run under
-    ``jax_numpy_dtype_promotion="strict"`` and keep weakly typed inputs weak.
-    """
-    if not jnp.iscomplexobj(leaf) and jnp.iscomplexobj(alpha):
-        alpha = jnp.real(alpha)
-    return _compat.convert_element_type(alpha, jnp.result_type(leaf), _compat.is_weakly_typed(leaf))
-
-
-def tree_axpy(alpha: Any, x: Any, y: Any) -> Any:
-    """alpha * x + y."""
-    return jax.tree_util.tree_map(lambda a, b: as_coefficient(alpha, b) * a.astype(b.dtype) + b, x, y)
-
-
-def tree_scale_add(x: Any, beta: Any, y: Any) -> Any:
-    """x + beta * y."""
-    return jax.tree_util.tree_map(lambda a, b: a + as_coefficient(beta, a) * b.astype(a.dtype), x, y)
-
-
-def tree_sub(x: Any, y: Any) -> Any:
-    return jax.tree_util.tree_map(jnp.subtract, x, y)
-
-
-def tree_scale(alpha: Any, x: Any) -> Any:
-    return jax.tree_util.tree_map(lambda a: as_coefficient(alpha, a) * a, x)
-
-
-def local_vdot(x: Any, y: Any) -> Any:
-    """Σ conj(x)·y over all leaves of this rank's pieces (complex when inputs are).
-
-    Leaves of different dtypes (a real and a complex leaf in one pytree) are
-    summed in their common dtype, explicitly (strict dtype promotion).
-    """
-    parts = [jnp.vdot(a, b, precision=jax.lax.Precision.HIGHEST)
-             for a, b in zip(jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y))]
-    dtype = common_dtype(*[p.dtype for p in parts])
-    parts = [p.astype(dtype) for p in parts]
-    return sum(parts[1:], parts[0])
-
-
-def common_dtype(*dtypes: Any) -> Any:
-    """The dtype that holds all of `dtypes`, by JAX's standard promotion.
-
-    Used where the solvers combine values explicitly (then cast), so it also
-    holds under ``jax_numpy_dtype_promotion="strict"``.
-    """
-    with jax.numpy_dtype_promotion("standard"):
-        return jnp.result_type(*dtypes)
-
-
-def scalar_dtype(tree: Any) -> Any:
-    return common_dtype(*[jnp.result_type(leaf) for leaf in jax.tree_util.tree_leaves(tree)])
 
 
 class Reductions:
@@ -242,7 +117,6 @@ class Reductions:
     def __init__(self, layout: str, comm: Communicator):
         self.layout = layout
         self.comm = comm
-        self.count = 0  # allreduces emitted per traced iteration (benchmarks read it)
 
     def dots(self, pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
         local = [local_vdot(x, y) for x, y in pairs]
@@ -262,7 +136,6 @@ class Reductions:
         dtype = common_dtype(*[v.dtype for v in local])
         stacked = jnp.stack([v.astype(dtype) for v in local])
         if self.layout == "sharded":
-            self.count += 1
             return PendingDots(iallreduce(stacked, "sum", comm=self.comm), None)
         return PendingDots(None, stacked)
 
@@ -286,7 +159,6 @@ class Reductions:
         """Σ over ranks of a small vector of local partial sums (sharded layout;
         the replicated layout's local values are already whole)."""
         if self.layout == "sharded":
-            self.count += 1
             values = allreduce(values, "sum", comm=self.comm)
         return values
 
@@ -326,7 +198,6 @@ class Reductions:
         entries = [value, -value, -failure.astype(dtype), *[jnp.asarray(a, dtype) for a in also]]
         if probe is not None:
             entries += [probe[0], -probe[0], probe[1]]
-        self.count += 1
         m = allreduce(jnp.stack([jnp.asarray(e, dtype) for e in entries]), "max", comm=self.comm)
         n = 3 + len(also)
         code = (-m[2]).astype(jnp.int32)
@@ -334,6 +205,19 @@ class Reductions:
         if probe is None:
             return Agreed(m[0], -m[1], code, also_max, None, None, None, compared=True)
         return Agreed(m[0], -m[1], code, also_max, m[n], -m[n + 1], m[n + 2], compared=True)
+
+    def agree_step(self, value: Any, failure: Any, *, check: Any, scale: Any, squared: bool,
+                   probe: Any = None) -> tuple[Any, Any]:
+        """(value, failure) of an iteration, identical on every rank (`agree`).
+
+        Where `check` (the first iteration), values that differ between ranks
+        beyond rounding turn the failure into DIVERGED_INCONSISTENT_RANKS
+        (`inconsistent`, relative to `scale` = ‖b‖; `squared`: `value` is a
+        squared norm).
+        """
+        agreed = self.agree(value, failure, probe=probe)
+        return agreed.value, mark_inconsistent(agreed.failure, inconsistent(agreed, check, scale, squared=squared))
+
 
 
 class PendingDots(NamedTuple):
@@ -405,87 +289,16 @@ def stopping_threshold(b_norm: Any, rtol: Any, atol: Any) -> tuple[Any, Any]:
     return jnp.maximum(rtol_part, atol), atol >= rtol_part
 
 
-INT32_MAX = 2**31 - 1
+def first_reason(*cases: tuple[Any, int], otherwise: Any = Reason.ITERATING) -> Any:
+    """The reason of the first condition that holds, in the order given, else `otherwise` (int32).
 
-
-def is_traced(value: Any) -> bool:
-    return isinstance(value, jax.core.Tracer)
-
-
-def resolve_tolerances(tol: Any, rtol: Any, atol: Any) -> tuple[Any, Any, Any]:
-    """(rtol, atol, invalid): checked tolerances.
-
-    Python (and other concrete) numbers are checked here and raise a
-    ValueError at trace time (on every rank: `setup` runs this `collectively`).
-    Traced values cannot be checked before the program runs: `invalid` is
-    then a traced bool that the input agreement turns into
-    ``DIVERGED_INCONSISTENT_RANKS`` on every rank (False when all are concrete).
+    ``first_reason((~finite, DIVERGED_NANORINF), (curvature <= 0, DIVERGED_INDEFINITE_MAT))``
+    reads as the list of checks it is; conditions may be traced (and batched).
     """
-    if tol is not None:
-        rtol = tol
-    invalid: Any = False
-    for name, value in (("rtol", rtol), ("atol", atol)):
-        if np.ndim(value):
-            raise ValueError(f"distlinalg: {name} must be a scalar, got shape {np.shape(value)}")
-        dtype = _dtype_of(value)
-        if dtype is None or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)) \
-                or dtype == jnp.bool_:
-            raise ValueError(f"distlinalg: {name} must be a real number, got {value!r}")
-        if is_traced(value):
-            invalid = invalid | ~jnp.isfinite(value) | (value < 0)
-        elif not (math.isfinite(float(value)) and float(value) >= 0):
-            raise ValueError(f"distlinalg: {name} must be a finite number >= 0, got {value!r}")
-    if not is_traced(rtol) and not is_traced(atol):
-        if float(rtol) == 0 and float(atol) == 0:
-            raise ValueError("distlinalg: rtol or atol must be positive (both are 0: nothing could converge)")
-    else:
-        invalid = invalid | ((rtol == 0) & (atol == 0))
-    return rtol, atol, invalid
-
-
-def _dtype_of(value: Any) -> Any:
-    """The dtype of a scalar argument, or None for something that is not a number."""
-    try:
-        return jnp.result_type(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def check_maxiter(maxiter: Any) -> tuple[Any, Any]:
-    """(maxiter, invalid): None, a Python int (clamped to int32), or a traced int32.
-
-    A negative or non-integer concrete value raises (trace time, every
-    rank); a traced value must have an integer dtype, and a negative one is
-    flagged in-graph like a bad traced tolerance.
-    """
-    if maxiter is None:
-        return None, False
-    if np.ndim(maxiter):
-        raise ValueError(f"distlinalg: maxiter must be a scalar, got shape {np.shape(maxiter)}")
-    dtype = _dtype_of(maxiter)
-    if isinstance(maxiter, bool) or dtype is None or dtype == jnp.bool_ or not jnp.issubdtype(dtype, jnp.integer):
-        raise ValueError(f"distlinalg: maxiter must be an integer, got {maxiter!r}")
-    if is_traced(maxiter):
-        # The loop counter is int32: clamp, after noting a negative value.
-        return jnp.clip(maxiter, 0, INT32_MAX).astype(jnp.int32), maxiter < 0
-    if int(maxiter) < 0:
-        raise ValueError(f"distlinalg: maxiter must be >= 0, got {maxiter!r}")
-    return min(int(maxiter), INT32_MAX), False
-
-
-def global_size(b: Any) -> int:
-    """Entries of this rank's `b` (all leaves)."""
-    return sum(int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(b))
-
-
-def default_maxiter(b: Any) -> int:
-    """Replicated layout: 10 × the size of b, the same on every rank.
-
-    (The input agreement checks that b's size agrees. The sharded default,
-    10 × ranks × the largest block, needs the blocks of every rank, so it
-    comes out of the agreement message: `_agreement._sharded_default`.)
-    """
-    return min(10 * global_size(b), INT32_MAX)
+    code = jnp.asarray(otherwise, jnp.int32)
+    for condition, reason in reversed(cases):
+        code = jnp.where(condition, jnp.asarray(reason, jnp.int32), code)
+    return code
 
 
 def new_history(size: int, dtype: Any) -> Any:
@@ -507,162 +320,11 @@ def monitor_print(name: str, comm: Communicator, enabled: bool, k: Any, rnorm: A
 
 
 def finish_reason(converged_atol: Any, converged: Any, k: Any, maxiter: Any, reason: Any) -> Any:
-    """The final reason code from the loop state."""
-    final = jnp.where(
-        reason != Reason.ITERATING,
-        reason,
-        jnp.where(
-            converged,
-            jnp.where(converged_atol, Reason.CONVERGED_ATOL, Reason.CONVERGED_RTOL),
-            jnp.where(k >= maxiter, Reason.DIVERGED_MAX_IT, Reason.ITERATING),
-        ),
-    )
-    return final.astype(jnp.int32)
+    """The final reason code: a failure already recorded, else how the loop ended."""
+    outcome = first_reason((converged & converged_atol, Reason.CONVERGED_ATOL),
+                           (converged, Reason.CONVERGED_RTOL),
+                           (k >= maxiter, Reason.DIVERGED_MAX_IT))
+    return jnp.where(reason != Reason.ITERATING, reason, outcome).astype(jnp.int32)
 
 
-class Problem(NamedTuple):
-    """A solve's validated inputs (shared by every method).
-
-    rtol, atol and maxiter are this rank's values: the iteration uses the
-    ones agreed across ranks (`_agreement.agree_inputs`). `maxiter` is None
-    for the default. `invalid` says that a traced rtol, atol or maxiter is
-    invalid on this rank (a traced bool; False when all are concrete, which
-    `setup` has checked).
-    """
-
-    matvec: Callable[[Any], Any]
-    precond: Callable[[Any], Any]
-    x0: Any
-    rtol: Any
-    atol: Any
-    maxiter: Any
-    reductions: Reductions
-    invalid: Any
-    b: Any  # the right-hand side as arrays (Python scalars become weakly typed arrays)
-
-
-def as_arrays(tree: Any) -> Any:
-    """Every leaf as a JAX array (Python numbers stay weakly typed, as in jax.scipy)."""
-    return jax.tree_util.tree_map(jnp.asarray, tree)
-
-
-def setup(A: Any, b: Any, x0: Any, M: Any, tol: Any, rtol: Any, atol: Any, maxiter: Any,
-          layout: str | None, comm: Any) -> Problem:
-    """Resolve and check the arguments common to cg and minres (trace time).
-
-    A distlinalg operator brings its layout and communicator: ``layout=None``
-    and ``comm=None`` take them from `A`. Every check is collective (see
-    `collectively`): an argument that is invalid on some rank raises a
-    ValueError on every rank.
-    """
-    if layout is None:
-        layout = A.layout if is_operator(A) else "replicated"
-    if comm is None and is_operator(A):
-        comm = A.comm
-    comm = resolve_comm(comm)
-
-    def build() -> Problem:
-        checked_layout = check_layout(layout)
-        rtol_, atol_, bad_tolerance = resolve_tolerances(tol, rtol, atol)
-        maxiter_, bad_maxiter = check_maxiter(maxiter)
-        b_ = as_arrays(b)
-        x0_ = jax.tree_util.tree_map(jnp.zeros_like, b_) if x0 is None else as_arrays(x0)
-        check_same_structure(b_, x0_)
-        matvec = as_matvec(A, checked_layout, b_, "A")
-        precond = identity if M is None else as_matvec(M, checked_layout, b_, "M")
-        return Problem(matvec, precond, x0_, rtol_, atol_, maxiter_, Reductions(checked_layout, comm),
-                       bad_tolerance | bad_maxiter, b_)
-
-    return collectively(build, comm)
-
-
-_MESSAGE_BYTES = 256
-
-
-def collectively(build: Callable[[], Any], comm: Communicator) -> Any:
-    """`build()`, with its ValueError (or TypeError) raised on every rank if it is raised on any.
-
-    Argument checks run at trace time on each rank, and the arguments of a
-    replicated solve can differ between ranks (a b built by rank-dependent
-    code): a rank raising alone would leave the others blocked in the
-    solve's first allreduce. So the ranks exchange their outcome (one small
-    eager allgather of the error messages, at trace time, like the size
-    exchanges of the operators; it is ordered after what the rank dispatched
-    before): a rank whose arguments are invalid raises its own error, the
-    others an error naming it and its message.
-    """
-    try:
-        value, error = build(), None
-    except (ValueError, TypeError) as raised:
-        value, error = None, raised
-    if comm.size > 1:
-        # The first byte of a message names the exception type (V or T).
-        mine = "" if error is None else ("T" if isinstance(error, TypeError) else "V") + str(error)
-        messages = _exchange_messages(mine, comm)
-        failed = [r for r, message in enumerate(messages) if message]
-        if failed and error is None:
-            details = "; ".join(f"rank {r}: {messages[r][1:]}" for r in failed)
-            kind = TypeError if all(messages[r][0] == "T" for r in failed) else ValueError
-            raise kind(f"distlinalg: invalid solver arguments on rank(s) {failed} ({details})")
-    if error is not None:
-        raise error
-    return value
-
-
-def _exchange_messages(message: str, comm: Communicator) -> list[str]:
-    """Every rank's `message` (cut to 255 bytes), on every rank, at trace time."""
-    data = message.encode()[: _MESSAGE_BYTES - 1]
-    row = np.zeros(_MESSAGE_BYTES, np.uint8)
-    row[0] = len(data)
-    row[1 : 1 + len(data)] = np.frombuffer(data, np.uint8)
-    with jax.ensure_compile_time_eval():
-        table = np.asarray(allgather(jnp.asarray(row), comm=comm))
-    return [bytes(r[1 : 1 + int(r[0])]).decode(errors="replace") for r in table]
-
-
-# ---------------------------------------------------------------------------
-# Real-linear operators on complex vectors
-def _split(tree: Any) -> tuple[Any, Any]:
-    return (jax.tree_util.tree_map(jnp.real, tree), jax.tree_util.tree_map(jnp.imag, tree))
-
-
-def _merge(pair: tuple[Any, Any], like: Any) -> Any:
-    return jax.tree_util.tree_map(lambda r, i, x: (r + 1j * i).astype(jnp.result_type(x)), *pair, like)
-
-
-def _real_pairs(op: Any, like: Any, layout: str | None) -> LinearOperator:
-    """A real-linear map of complex vectors as a linear map of (Re, Im) pairs."""
-    apply = op.matvec if is_operator(op) else as_matvec(op, layout or "replicated", like, "M")
-    return LinearOperator(lambda pair: _split(apply(_merge(pair, like))),
-                          layout=(op.layout if is_operator(op) else None) or layout or "replicated",
-                          comm=op.comm if is_operator(op) else None, name="RealPairs")
-
-
-def is_real_linear(A: Any) -> bool:
-    return is_operator(A) and A.real_linear
-
-
-def solve_real_linear(solver: Callable[..., Any], A: Any, b: Any, x0: Any, M: Any, **options: Any) -> Any:
-    """Run `solver` on the real system of (Re, Im) pairs of a real-linear A.
-
-    An operator that is only real-linear on complex vectors (A(i v) ≠ i A v)
-    is a symmetric real operator on R²ⁿ; the Krylov recurrences need that
-    real inner product, Re⟨u, v⟩, not the complex one.
-    """
-    layout = options.get("layout")
-    pair_b = _split(b)
-    pair_x0 = None if x0 is None else _split(x0)
-    pair_M = None if M is None else _real_pairs(M, b, layout)
-    x, info = solver(_real_pairs(A, b, layout), pair_b, pair_x0, M=pair_M, **options)
-    return _merge(x, b), info
-
-
-__all__ = [
-    "Reason",
-    "SolverInfo",
-    "Reductions",
-    "as_matvec",
-    "identity",
-    "LAYOUTS",
-    "ReduceOp",
-]
+__all__ = ["Reason", "SolverInfo", "Reductions"]

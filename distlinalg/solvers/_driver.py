@@ -23,7 +23,9 @@ import jax.numpy as jnp
 
 from .. import _compat
 from ..comm.fused import tree_allreduce
+from . import _arguments
 from . import _common as C
+from ._vectors import real_dtype, scale as scaled
 from ._agreement import agree_inputs
 
 
@@ -31,7 +33,7 @@ def krylov_solve(
     iterate: Callable[..., tuple[Any, C.SolverInfo]],
     matvec: Callable[[Any], Any],
     b: Any,
-    problem: C.Problem,
+    problem: _arguments.Problem,
     *,
     history: int,
     hermitian: bool = True,
@@ -76,17 +78,17 @@ def krylov_solve(
         # scale 1 (the iteration then reports it).
         largest = reductions.max_abs(rhs)
         scale = jnp.where((largest > 0) & jnp.isfinite(largest), largest, jnp.ones_like(largest))
-        x, info = iterate(mv, C.tree_scale(1 / scale, rhs), C.tree_scale(1 / scale, x0), agreed.rtol,
+        x, info = iterate(mv, scaled(1 / scale, rhs), scaled(1 / scale, x0), agreed.rtol,
                           agreed.atol / scale, agreed.maxiter, start)
         info = info._replace(
             residual_norm=info.residual_norm * scale,
             history=None if info.history is None else info.history * scale,
         )
-        return _cast_like(C.tree_scale(scale, x), x0), _canonical(info, rhs)
+        return _cast_like(scaled(scale, x), x0), _canonical(info, rhs)
 
     def skip(mv: Callable[[Any], Any], rhs: Any) -> tuple[Any, C.SolverInfo]:
         """Inputs that disagree: no matvec, no message, x0 back (every rank takes it)."""
-        dtype = _real_dtype(rhs)
+        dtype = real_dtype(rhs)
         nan = jnp.full((), jnp.nan, dtype)
         info = C.SolverInfo(jnp.int32(0), nan, jnp.bool_(False), jnp.int32(C.Reason.DIVERGED_INCONSISTENT_RANKS),
                             C.new_history(history, dtype))
@@ -143,11 +145,6 @@ def replicated_transpose(vecmat: Callable[[Any], Any], comm: Any) -> Callable[[A
     return transposed
 
 
-def _real_dtype(tree: Any) -> Any:
-    dtype = C.scalar_dtype(tree)
-    return jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.result_type(float)
-
-
 def _cast_like(x: Any, like: Any) -> Any:
     """x in `like`'s dtypes, weak where `like` is weak (jax.scipy keeps a Python-float b weak)."""
     return jax.tree_util.tree_map(
@@ -156,7 +153,7 @@ def _cast_like(x: Any, like: Any) -> Any:
 
 def _canonical(info: C.SolverInfo, rhs: Any) -> C.SolverInfo:
     """Info fields with fixed dtypes, so that `run` and `skip` match under lax.cond."""
-    dtype = _real_dtype(rhs)
+    dtype = real_dtype(rhs)
     return C.SolverInfo(
         jnp.asarray(info.iterations, jnp.int32),
         jnp.asarray(info.residual_norm, dtype),

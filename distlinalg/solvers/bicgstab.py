@@ -28,12 +28,14 @@ identical on every rank.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from . import _arguments
 from . import _common as C
+from ._vectors import as_coefficient, axpy, scalar_dtype, sub
 from ._common import Reason, SolverInfo
 from ._driver import krylov_solve
 
@@ -86,17 +88,21 @@ def bicgstab(
     ranks, the matrix transpose even when the matvec communicates). vmap
     over b runs the lanes in one loop.
 
-    Example::
-
-        x, info = distlinalg.bicgstab(lambda v: A @ v, b, rtol=1e-8)
-        assert info.converged
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import distlinalg as dl
+      >>> A = jnp.array([[3.0, 1.0, 0.0], [-1.0, 3.0, 1.0], [0.0, -1.0, 3.0]])  # nonsymmetric
+      >>> b = jnp.array([1.0, 2.0, 3.0])
+      >>> x, info = dl.bicgstab(A, b, rtol=1e-6)
+      >>> bool(info.converged), bool(jnp.allclose(A @ x, b, atol=1e-5))
+      (True, True)
     """
-    if C.is_real_linear(A):
-        return C.solve_real_linear(
+    if _arguments.is_real_linear(A):
+        return _arguments.solve_real_linear(
             bicgstab, A, b, x0, M, tol=tol, rtol=rtol, atol=atol, maxiter=maxiter, layout=layout, comm=comm,
             history=history, monitor=monitor,
         )
-    p = C.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
+    p = _arguments.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
 
     def iterate(mv, rhs, x_init, rtol_agreed, atol_scaled, maxiter_agreed, start):
         return _bicgstab(mv, rhs, x_init, p.precond, rtol_agreed, atol_scaled, maxiter_agreed, start, p.reductions,
@@ -105,15 +111,31 @@ def bicgstab(
     return krylov_solve(iterate, p.matvec, p.b, p, history=history, hermitian=False)
 
 
+class BicgstabState(NamedTuple):
+    """BiCGSTAB at the top of an iteration."""
+
+    x: Any
+    r: Any        # b − A x
+    p: Any        # search direction
+    q: Any        # A M p of the previous step
+    rho: Any      # ⟨r̂, r⟩
+    rho_old: Any
+    alpha: Any
+    omega: Any
+    done: Any     # converged (agreed across ranks)
+    k: Any
+    reason: Any
+    history: Any
+
+
 def _bicgstab(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, history, monitor):
-    dtype = C.scalar_dtype(b)
+    dtype = scalar_dtype(b)
     real = jnp.real(jnp.zeros((), dtype)).dtype
     tiny = jnp.finfo(real).eps ** 2  # scipy's breakdown thresholds for ρ and ω
-    r = C.tree_sub(b, matvec(x0))
+    r = sub(b, matvec(x0))
     r_shadow = r
     rr, bb = (jnp.real(v) for v in red.dots([(r, r), (b, b)]))
-    failure = jnp.where(start != Reason.ITERATING, start,
-                        jnp.where(jnp.isfinite(rr), Reason.ITERATING, Reason.DIVERGED_NANORINF)).astype(jnp.int32)
+    failure = C.first_reason((start != Reason.ITERATING, start), (~jnp.isfinite(rr), Reason.DIVERGED_NANORINF))
     agreed = red.agree(rr, failure, also=[bb])
     rr = agreed.value
     b_norm = jnp.sqrt(agreed.also[0])
@@ -123,23 +145,23 @@ def _bicgstab(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reducti
     C.monitor_print("bicgstab", red.comm, monitor, 0, jnp.sqrt(rr))
     one = jnp.ones((), dtype)
     zeros = jax.tree_util.tree_map(jnp.zeros_like, b)
-    state = dict(x=x0, r=r, p=zeros, q=zeros, rho=rr.astype(dtype), rho_old=one, alpha=one, omega=one,
-                 done=jnp.sqrt(rr) <= threshold, k=jnp.int32(0), reason=failure, hist=hist)
+    state = BicgstabState(x=x0, r=r, p=zeros, q=zeros, rho=rr.astype(dtype), rho_old=one, alpha=one, omega=one,
+                          done=jnp.sqrt(rr) <= threshold, k=jnp.int32(0), reason=failure, history=hist)
 
-    def keep_going(s):
-        return (s["reason"] == Reason.ITERATING) & ~s["done"] & (s["k"] < maxiter)
+    def keep_going(s: BicgstabState):
+        return (s.reason == Reason.ITERATING) & ~s.done & (s.k < maxiter)
 
-    def step(s):
-        x, r, k = s["x"], s["r"], s["k"]
-        rho, omega = s["rho"], s["omega"]
+    def step(s: BicgstabState) -> BicgstabState:
+        x, r, k = s.x, s.r, s.k
+        rho, omega = s.rho, s.omega
         first = k == 0
         # Values of a step that turns out to be stopped are discarded, so its
         # divisions only need to avoid NaNs (safe denominators).
         safe_omega = jnp.where(jnp.abs(omega) > 0, omega, one)
-        beta = (rho / _safe(s["rho_old"])) * (s["alpha"] / safe_omega)
+        beta = (rho / _safe(s.rho_old)) * (s.alpha / safe_omega)
         p = jax.tree_util.tree_map(
-            lambda r_, p_, q_: jnp.where(first, r_, r_ + C.as_coefficient(beta, r_) * (p_ - C.as_coefficient(omega, q_) * q_)),
-            r, s["p"], s["q"])
+            lambda r_, p_, q_: jnp.where(first, r_, r_ + as_coefficient(beta, r_) * (p_ - as_coefficient(omega, q_) * q_)),
+            r, s.p, s.q)
         p_hat = precond(p)
         q = matvec(p_hat)
         shadow_q, rr_now = red.dots([(r_shadow, q), (r, r)])
@@ -147,8 +169,8 @@ def _bicgstab(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reducti
         # The residual of the previous step is now known: stop before moving x.
         converged = jnp.sqrt(rr_now) <= threshold
         breakdown = ~converged & ((jnp.abs(rho) < tiny) | (~first & (jnp.abs(omega) < tiny)) | (shadow_q == 0))
-        failure = jnp.where(~jnp.isfinite(rr_now) | ~jnp.isfinite(shadow_q), Reason.DIVERGED_NANORINF,
-                            jnp.where(breakdown, Reason.DIVERGED_BREAKDOWN, Reason.ITERATING)).astype(jnp.int32)
+        failure = C.first_reason((~jnp.isfinite(rr_now) | ~jnp.isfinite(shadow_q), Reason.DIVERGED_NANORINF),
+                                 (breakdown, Reason.DIVERGED_BREAKDOWN))
         failure = jnp.where(converged & (failure == Reason.DIVERGED_NANORINF) & jnp.isfinite(rr_now),
                             Reason.ITERATING, failure).astype(jnp.int32)
         agreed = red.agree(rr_now, failure, also=[converged.astype(real)],
@@ -158,7 +180,7 @@ def _bicgstab(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reducti
         stopped = (agreed.also[0] > 0) | (failure != Reason.ITERATING)
 
         alpha = rho / _safe(shadow_q)
-        s_vec = C.tree_axpy(-alpha, q, r)
+        s_vec = axpy(-alpha, q, r)
         s_hat = precond(s_vec)
         t = matvec(s_hat)
         ts, tt, ss, shadow_s, shadow_t = red.dots([(t, s_vec), (t, t), (s_vec, s_vec), (r_shadow, s_vec),
@@ -176,29 +198,27 @@ def _bicgstab(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reducti
         # A stopped step keeps x and r (its vectors may hold garbage: select, not a zero step).
         move = ~stopped & (failure == Reason.ITERATING)
         keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(move, n, o), new, old)  # noqa: E731
-        x = keep(C.tree_axpy(omega_new, s_hat, C.tree_axpy(alpha, p_hat, x)), x)
-        r = keep(C.tree_axpy(-omega_new, t, s_vec), r)
+        x = keep(axpy(omega_new, s_hat, axpy(alpha, p_hat, x)), x)
+        r = keep(axpy(-omega_new, t, s_vec), r)
         rho_new = shadow_s - omega_new * shadow_t
         k_new = k + move.astype(jnp.int32)
         done = stopped | (move & half_done)
-        hist = s["hist"]
-        if hist is not None:
-            hist = C.record(hist, k, jnp.sqrt(rr_now))
+        hist = C.record(s.history, k, jnp.sqrt(rr_now))
         C.monitor_print("bicgstab", red.comm, monitor, k, jnp.sqrt(rr_now))
-        return dict(x=x, r=r, p=p, q=q, rho=jnp.where(move, rho_new, rho), rho_old=jnp.where(move, rho, s["rho_old"]),
-                    alpha=jnp.where(move, alpha, s["alpha"]), omega=jnp.where(move, omega_new, omega),
-                    done=done, k=k_new, reason=failure, hist=hist)
+        return BicgstabState(x=x, r=r, p=p, q=q, rho=jnp.where(move, rho_new, rho),
+                             rho_old=jnp.where(move, rho, s.rho_old), alpha=jnp.where(move, alpha, s.alpha),
+                             omega=jnp.where(move, omega_new, omega), done=done, k=k_new, reason=failure, history=hist)
 
     s = jax.lax.while_loop(keep_going, step, state)
     # The residual of the last step (not yet known when the loop ran out of
     # steps, or after the half-step exit): one more reduction, once per solve.
-    (rr,) = (jnp.real(v) for v in red.dots([(s["r"], s["r"])]))
-    rr = red.agree(rr, s["reason"]).value
+    (rr,) = (jnp.real(v) for v in red.dots([(s.r, s.r)]))
+    rr = red.agree(rr, s.reason).value
     r_norm = jnp.sqrt(rr)
-    hist = C.record(s["hist"], s["k"], r_norm) if s["hist"] is not None else None
-    converged = (s["reason"] == Reason.ITERATING) & (r_norm <= threshold)
-    reason = C.finish_reason(from_atol, converged, s["k"], maxiter, s["reason"])
-    return s["x"], SolverInfo(s["k"], r_norm, converged, reason, hist)
+    hist = C.record(s.history, s.k, r_norm)
+    converged = (s.reason == Reason.ITERATING) & (r_norm <= threshold)
+    reason = C.finish_reason(from_atol, converged, s.k, maxiter, s.reason)
+    return s.x, SolverInfo(s.k, r_norm, converged, reason, hist)
 
 
 def _safe(value: Any) -> Any:

@@ -27,14 +27,16 @@ further from b − A x than the other variants' (the recurrences are longer).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from . import _common as C
-from ._common import Reason, SolverInfo
+from . import _arguments
+from ._common import Reason, Reductions, SolverInfo, finish_reason, first_reason, mark_inconsistent
+from ._common import inconsistent, monitor_print, new_history, record, stopping_threshold
 from ._driver import krylov_solve
+from ._vectors import axpy, sub, xpby, zeros_like
 
 METHODS = ("standard", "single_reduction", "pipelined")
 
@@ -115,15 +117,41 @@ def cg(
     solves all right-hand sides in one loop (one message per reduction for
     the whole batch) until every lane has stopped; each lane keeps its own
     info.
+
+    Example:
+      A replicated solve (every rank holds A and b), and its gradient:
+
+      >>> import jax, jax.numpy as jnp
+      >>> import distlinalg as dl
+      >>> A = jnp.array([[4.0, 1.0], [1.0, 3.0]])
+      >>> b = jnp.array([1.0, 2.0])
+      >>> x, info = dl.cg(A, b, rtol=1e-6)
+      >>> bool(info.converged), dl.solvers.Reason(int(info.reason)).name
+      (True, 'CONVERGED_RTOL')
+      >>> bool(jnp.allclose(x, jnp.linalg.solve(A, b), atol=1e-5))
+      True
+      >>> g = jax.grad(lambda b: dl.cg(A, b, rtol=1e-6)[0].sum())(b)   # = A⁻ᵀ 1
+      >>> bool(jnp.allclose(g, jnp.linalg.solve(A.T, jnp.ones(2)), atol=1e-5))
+      True
+
+      A sharded solve: the 2-D Laplacian's grid rows split over the ranks,
+      each rank passing its block of b:
+
+      >>> from distlinalg.operators import laplacian_2d
+      >>> L = laplacian_2d(8)
+      >>> b = jnp.ones(L.input_structure.shape)
+      >>> x, info = jax.jit(lambda b: dl.cg(L, b, rtol=1e-6))(b)
+      >>> bool(info.converged), L.layout
+      (True, 'sharded')
     """
     if method not in METHODS:
         raise ValueError(f"distlinalg.cg: method must be one of {METHODS}, got {method!r}")
-    if C.is_real_linear(A):
-        return C.solve_real_linear(
+    if _arguments.is_real_linear(A):
+        return _arguments.solve_real_linear(
             cg, A, b, x0, M, tol=tol, rtol=rtol, atol=atol, maxiter=maxiter, layout=layout, comm=comm,
             method=method, history=history, monitor=monitor,
         )
-    p = C.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
+    p = _arguments.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
     body = {"standard": _standard, "single_reduction": _single_reduction, "pipelined": _pipelined}[method]
 
     def iterate(mv, rhs, x_init, rtol_agreed, atol_scaled, maxiter_agreed, start):
@@ -133,11 +161,12 @@ def cg(
     return krylov_solve(iterate, p.matvec, p.b, p, history=history)
 
 
-def _status(rr_agreed: Any, threshold: Any, k: Any) -> Any:
-    return jnp.sqrt(rr_agreed) <= threshold
+def _converged(rr: Any, threshold: Any) -> Any:
+    """‖r‖ ≤ max(rtol ‖b‖, atol), from the agreed ‖r‖²."""
+    return jnp.sqrt(rr) <= threshold
 
 
-def _start(red: C.Reductions, rr: Any, bb: Any, failure: Any, start: Any, probe: Any = None):
+def _agree_start(red: Reductions, rr: Any, bb: Any, failure: Any, start: Any, probe: Any = None):
     """The agreed initial state: (‖r₀‖², ‖b‖ (both identical on every rank), failure code).
 
     Replicated layout: one message carries ‖r₀‖² (max and min), the failure
@@ -148,229 +177,238 @@ def _start(red: C.Reductions, rr: Any, bb: Any, failure: Any, start: Any, probe:
     failure = jnp.where(start != Reason.ITERATING, start, failure)
     agreed = red.agree(rr, failure, also=[bb], probe=probe)
     b_norm = jnp.sqrt(agreed.also[0])
-    failure = C.mark_inconsistent(agreed.failure, C.inconsistent(agreed, True, b_norm, squared=True))
+    failure = mark_inconsistent(agreed.failure, inconsistent(agreed, True, b_norm, squared=True))
     return agreed.value, b_norm, failure
 
 
-def _standard(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, history, monitor):
-    real = lambda v: jnp.real(v)  # noqa: E731  (⟨·,·⟩ of HPD systems is real)
-    r = C.tree_sub(b, matvec(x0))
-    z = precond(r)
-    gamma, rr, bb = map(real, red.dots([(r, z), (r, r), (b, b)]))
-    nonfinite0 = ~jnp.isfinite(rr) | ~jnp.isfinite(gamma)
-    failure0 = jnp.where(nonfinite0, Reason.DIVERGED_NANORINF, Reason.ITERATING).astype(jnp.int32)
-    rr, b_norm, reason0 = _start(red, rr, bb, failure0, start)
-    threshold, from_atol = C.stopping_threshold(b_norm, rtol, atol)
-    dtype = rr.dtype
-    hist = C.record(C.new_history(history, dtype), 0, jnp.sqrt(rr))
-    C.monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
-    state = (x0, r, z, z, gamma, rr, jnp.int32(0), reason0, hist)
+def _result(x: Any, rr: Any, k: Any, reason: Any, hist: Any, threshold: Any, from_atol: Any, maxiter: Any):
+    """(x, SolverInfo) from the final loop state."""
+    converged = (reason == Reason.ITERATING) & _converged(rr, threshold)
+    return x, SolverInfo(k, jnp.sqrt(rr), converged, finish_reason(from_atol, converged, k, maxiter, reason), hist)
 
-    def keep_going(s):
-        *_, rr, k, reason, _ = s
-        return (reason == Reason.ITERATING) & (k < maxiter) & ~_status(rr, threshold, k)
 
-    def step(s):
-        x, r, z, p, gamma, rr, k, reason, hist = s
-        q = matvec(p)
-        (pq,) = map(real, red.dots([(p, q)]))
-        curvature_failure = jnp.where(
-            ~jnp.isfinite(pq), Reason.DIVERGED_NANORINF,
-            jnp.where(pq < 0, Reason.DIVERGED_INDEFINITE_MAT,
-                      jnp.where(pq == 0, Reason.DIVERGED_BREAKDOWN, Reason.ITERATING)),
-        )
+# ---------------------------------------------------------------------------
+class StandardState(NamedTuple):
+    """Hestenes–Stiefel CG at the top of an iteration."""
+
+    x: Any
+    r: Any      # b − A x
+    z: Any      # M r
+    p: Any      # search direction
+    gamma: Any  # ⟨r, z⟩
+    rr: Any     # ⟨r, r⟩, agreed across ranks
+    k: Any
+    reason: Any
+    history: Any
+
+
+def _standard(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, history, monitor):
+    real = jnp.real  # ⟨·,·⟩ of HPD systems is real
+    r = sub(b, matvec(x0))                                          # r₀ = b − A x₀
+    z = precond(r)                                                  # z₀ = M r₀
+    gamma, rr, bb = map(real, red.dots([(r, z), (r, r), (b, b)]))   # γ₀ = ⟨r₀, z₀⟩, ρ₀ = ⟨r₀, r₀⟩
+    failure = first_reason((~jnp.isfinite(rr) | ~jnp.isfinite(gamma), Reason.DIVERGED_NANORINF))
+    rr, b_norm, failure = _agree_start(red, rr, bb, failure, start)
+    threshold, from_atol = stopping_threshold(b_norm, rtol, atol)
+    hist = record(new_history(history, rr.dtype), 0, jnp.sqrt(rr))
+    monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
+
+    def keep_going(s: StandardState):
+        return (s.reason == Reason.ITERATING) & (s.k < maxiter) & ~_converged(s.rr, threshold)
+
+    def step(s: StandardState) -> StandardState:
+        q = matvec(s.p)                                             # q = A p
+        (pq,) = map(real, red.dots([(s.p, q)]))                     # ⟨p, A p⟩
+        curvature_failure = first_reason((~jnp.isfinite(pq), Reason.DIVERGED_NANORINF),
+                                         (pq < 0, Reason.DIVERGED_INDEFINITE_MAT),
+                                         (pq == 0, Reason.DIVERGED_BREAKDOWN))
         # A failed step must not move x: a zero step length keeps every
         # vector as it was without a select over whole vectors.
-        alpha = jnp.where(curvature_failure == Reason.ITERATING, gamma / pq, jnp.zeros_like(pq))
-        x = C.tree_axpy(alpha, p, x)
-        r = C.tree_axpy(-alpha, q, r)
-        z = precond(r)
-        gamma_new, rr_new = map(real, red.dots([(r, z), (r, r)]))
-        failure = jnp.where(
-            curvature_failure != Reason.ITERATING,
-            curvature_failure,
-            jnp.where(~jnp.isfinite(rr_new) | ~jnp.isfinite(gamma_new), Reason.DIVERGED_NANORINF,
-                      jnp.where(gamma_new < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING)),
-        )
+        alpha = jnp.where(curvature_failure == Reason.ITERATING, s.gamma / pq, jnp.zeros_like(pq))  # α = γ / ⟨p, q⟩
+        x = axpy(alpha, s.p, s.x)                                   # x ← x + α p
+        r = axpy(-alpha, q, s.r)                                    # r ← r − α q
+        z = precond(r)                                              # z = M r
+        gamma_new, rr_new = map(real, red.dots([(r, z), (r, r)]))   # γ' = ⟨r, z⟩, ρ = ⟨r, r⟩
+        failure = first_reason((curvature_failure != Reason.ITERATING, curvature_failure),
+                               (~jnp.isfinite(rr_new) | ~jnp.isfinite(gamma_new), Reason.DIVERGED_NANORINF),
+                               (gamma_new < 0, Reason.DIVERGED_INDEFINITE_PC))
         # First step: also compare ‖r₁‖ and the curvature ⟨p, A p⟩ across ranks.
-        rr_new, failure = _agree(red, rr_new, failure, k == 0, b_norm, (pq, jnp.abs(pq)))
+        rr_new, failure = red.agree_step(rr_new, failure, check=s.k == 0, scale=b_norm, squared=True,
+                                         probe=(pq, jnp.abs(pq)))
         ok = failure == Reason.ITERATING
-        p = C.tree_scale_add(z, gamma_new / gamma, p)
-        gamma = jnp.where(ok, gamma_new, gamma)
-        rr = jnp.where(ok, rr_new, rr)
-        k = k + ok.astype(jnp.int32)
-        hist = C.record(hist, k, jnp.sqrt(rr)) if hist is not None else None
-        C.monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
-        return (x, r, z, p, gamma, rr, k, failure.astype(jnp.int32), hist)
+        p = xpby(z, gamma_new / s.gamma, s.p)                       # p ← z + (γ'/γ) p
+        rr = jnp.where(ok, rr_new, s.rr)
+        k = s.k + ok.astype(jnp.int32)
+        monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
+        return StandardState(x, r, z, p, jnp.where(ok, gamma_new, s.gamma), rr, k, failure,
+                             record(s.history, k, jnp.sqrt(rr)))
 
-    x, _, _, _, _, rr, k, reason, hist = jax.lax.while_loop(keep_going, step, state)
-    converged = (reason == Reason.ITERATING) & _status(rr, threshold, k)
-    reason = C.finish_reason(from_atol, converged, k, maxiter, reason)
-    return x, SolverInfo(k, jnp.sqrt(rr), converged, reason, hist)
+    s = jax.lax.while_loop(keep_going, step, StandardState(x0, r, z, z, gamma, rr, jnp.int32(0), failure, hist))
+    return _result(s.x, s.rr, s.k, s.reason, s.history, threshold, from_atol, maxiter)
 
 
-def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, history, monitor):
-    real = lambda v: jnp.real(v)  # noqa: E731
-    r = C.tree_sub(b, matvec(x0))
-    u = precond(r)
-    w = matvec(u)
+# ---------------------------------------------------------------------------
+class SingleReductionState(NamedTuple):
+    """Chronopoulos–Gear CG at the top of an iteration (p, s of the previous one)."""
+
+    x: Any
+    r: Any      # b − A x
+    u: Any      # M r
+    w: Any      # A u
+    p: Any      # previous search direction
+    s: Any      # A p
+    alpha: Any  # step length of this iteration
+    beta: Any   # β of this iteration (0 in the first)
+    gamma: Any  # ⟨r, u⟩
+    delta: Any  # ⟨w, u⟩
+    rr: Any     # ⟨r, r⟩, agreed across ranks
+    k: Any
+    reason: Any
+    history: Any
+
+
+def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, history, monitor):
+    real = jnp.real
+    r = sub(b, matvec(x0))                                          # r₀ = b − A x₀
+    u = precond(r)                                                  # u₀ = M r₀
+    w = matvec(u)                                                   # w₀ = A u₀
     gamma, delta, rr, bb = map(real, red.dots([(r, u), (u, w), (r, r), (b, b)]))
-    nonfinite0 = ~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta)
-    curvature0 = jnp.where(delta > 0, Reason.ITERATING,
-                           jnp.where(delta < 0, Reason.DIVERGED_INDEFINITE_MAT, Reason.DIVERGED_BREAKDOWN))
-    failure0 = jnp.where(nonfinite0, Reason.DIVERGED_NANORINF, curvature0).astype(jnp.int32)
+    failure = first_reason((~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta), Reason.DIVERGED_NANORINF),
+                           (delta < 0, Reason.DIVERGED_INDEFINITE_MAT),
+                           (delta == 0, Reason.DIVERGED_BREAKDOWN))
     # The first matvec of A u₀ is here: ⟨u₀, A u₀⟩ is the curvature probe.
-    rr, b_norm, failure0 = _start(red, rr, bb, failure0, start, probe=(delta, jnp.abs(delta)))
-    threshold, from_atol = C.stopping_threshold(b_norm, rtol, atol)
-    hist = C.record(C.new_history(history, rr.dtype), 0, jnp.sqrt(rr))
-    C.monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
-    alpha = gamma / delta
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, b)
-    # Already converged at x0: a vanishing curvature is harmless then.
-    curvature_only = (failure0 == Reason.DIVERGED_INDEFINITE_MAT) | (failure0 == Reason.DIVERGED_BREAKDOWN)
-    reason0 = jnp.where(curvature_only & _status(rr, threshold, 0), Reason.ITERATING, failure0)
-    state = (x0, r, u, w, zeros, zeros, alpha, jnp.zeros_like(gamma), gamma, delta, rr, jnp.int32(0),
-             reason0.astype(jnp.int32), hist)
+    rr, b_norm, failure = _agree_start(red, rr, bb, failure, start, probe=(delta, jnp.abs(delta)))
+    threshold, from_atol = stopping_threshold(b_norm, rtol, atol)
+    hist = record(new_history(history, rr.dtype), 0, jnp.sqrt(rr))
+    monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
+    # Already converged at x₀: a vanishing curvature is harmless then.
+    curvature_only = (failure == Reason.DIVERGED_INDEFINITE_MAT) | (failure == Reason.DIVERGED_BREAKDOWN)
+    failure = jnp.where(curvature_only & _converged(rr, threshold), Reason.ITERATING, failure).astype(jnp.int32)
 
-    def keep_going(s):
-        rr, k, reason = s[10], s[11], s[12]
-        return (reason == Reason.ITERATING) & (k < maxiter) & ~_status(rr, threshold, k)
+    def keep_going(st: SingleReductionState):
+        return (st.reason == Reason.ITERATING) & (st.k < maxiter) & ~_converged(st.rr, threshold)
 
-    def step(s):
-        x, r, u, w, p, sv, alpha, beta, gamma, delta, rr, k, reason, hist = s
-        p_new = C.tree_scale_add(u, beta, p)
-        s_new = C.tree_scale_add(w, beta, sv)
-        x_new = C.tree_axpy(alpha, p_new, x)
-        r_new = C.tree_axpy(-alpha, s_new, r)
-        u_new = precond(r_new)
-        w_new = matvec(u_new)
-        gamma_new, delta_new, rr_new = map(real, red.dots([(r_new, u_new), (u_new, w_new), (r_new, r_new)]))
-        beta_new = gamma_new / gamma
-        # ⟨p', A p'⟩ of the next direction; must stay positive for HPD A
-        # (once converged it may vanish harmlessly).
-        curvature = delta_new - beta_new * gamma_new / alpha
-        alpha_new = gamma_new / curvature
-        done = _status(rr_new, threshold, k)
-        failure = jnp.where(
-            ~jnp.isfinite(rr_new) | ~jnp.isfinite(gamma_new) | ~jnp.isfinite(delta_new),
-            Reason.DIVERGED_NANORINF,
-            jnp.where(
-                done,
-                Reason.ITERATING,
-                jnp.where(curvature < 0, Reason.DIVERGED_INDEFINITE_MAT,
-                          jnp.where(curvature == 0, Reason.DIVERGED_BREAKDOWN,
-                                    jnp.where(gamma_new < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING))),
-            ),
-        )
-        rr_new, failure = _agree(red, rr_new, failure, k == 0, b_norm)
+    def step(st: SingleReductionState) -> SingleReductionState:
+        p = xpby(st.u, st.beta, st.p)                               # p ← u + β p
+        s = xpby(st.w, st.beta, st.s)                               # s ← w + β s      (= A p)
+        x = axpy(st.alpha, p, st.x)                                 # x ← x + α p
+        r = axpy(-st.alpha, s, st.r)                                # r ← r − α s
+        u = precond(r)                                              # u = M r
+        w = matvec(u)                                               # w = A u
+        gamma, delta, rr = map(real, red.dots([(r, u), (u, w), (r, r)]))  # γ', δ', ρ: one reduction
+        beta = gamma / st.gamma                                     # β' = γ'/γ
+        curvature = delta - beta * gamma / st.alpha                 # ⟨p', A p'⟩ = δ' − β' γ'/α
+        done = _converged(rr, threshold)  # once converged the next curvature may vanish harmlessly
+        failure = first_reason(
+            (~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta), Reason.DIVERGED_NANORINF),
+            (~done & (curvature < 0), Reason.DIVERGED_INDEFINITE_MAT),
+            (~done & (curvature == 0), Reason.DIVERGED_BREAKDOWN),
+            (~done & (gamma < 0), Reason.DIVERGED_INDEFINITE_PC))
+        rr, failure = red.agree_step(rr, failure, check=st.k == 0, scale=b_norm, squared=True)
         ok = failure == Reason.ITERATING
         # The update of this step used the previous, validated α; a failure
         # detected now only stops the loop (no select over whole vectors).
-        x, r, u, w, p, sv = x_new, r_new, u_new, w_new, p_new, s_new
-        alpha, beta, gamma, delta = alpha_new, beta_new, gamma_new, delta_new
-        rr = jnp.where(ok, rr_new, rr)
-        k = k + ok.astype(jnp.int32)
-        hist = C.record(hist, k, jnp.sqrt(rr)) if hist is not None else None
-        C.monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
-        return (x, r, u, w, p, sv, alpha, beta, gamma, delta, rr, k, failure.astype(jnp.int32), hist)
+        k = st.k + ok.astype(jnp.int32)
+        rr = jnp.where(ok, rr, st.rr)
+        monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
+        return SingleReductionState(x, r, u, w, p, s, gamma / curvature, beta, gamma, delta, rr, k, failure,
+                                    record(st.history, k, jnp.sqrt(rr)))
 
-    out = jax.lax.while_loop(keep_going, step, state)
-    x, rr, k, reason, hist = out[0], out[10], out[11], out[12], out[13]
-    converged = (reason == Reason.ITERATING) & _status(rr, threshold, k)
-    reason = C.finish_reason(from_atol, converged, k, maxiter, reason)
-    return x, SolverInfo(k, jnp.sqrt(rr), converged, reason, hist)
+    zeros = zeros_like(b)
+    state = SingleReductionState(x0, r, u, w, zeros, zeros, gamma / delta, jnp.zeros_like(gamma), gamma, delta, rr,
+                                 jnp.int32(0), failure, hist)
+    st = jax.lax.while_loop(keep_going, step, state)
+    return _result(st.x, st.rr, st.k, st.reason, st.history, threshold, from_atol, maxiter)
 
 
-def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, history, monitor):
-    """Ghysels–Vanroose pipelined CG: one reduction per iteration, overlapped.
+# ---------------------------------------------------------------------------
+class PipelinedState(NamedTuple):
+    """Ghysels–Vanroose pipelined CG at the top of an iteration.
 
-    Invariants at the top of iteration k (exact arithmetic): u = M r, w = A u,
-    m = M w, n = A m, and γ = ⟨r, u⟩, δ = ⟨w, u⟩, ρ = ⟨r, r⟩ of the current r
-    (reduced in the previous iteration, while m and n were computed).
+    Invariants (exact arithmetic): u = M r, w = A u, m = M w, n = A m, and
+    γ = ⟨r, u⟩, δ = ⟨w, u⟩, ρ = ⟨r, r⟩ of the current r (reduced in the
+    previous iteration, while m and n were computed).
     """
-    real = lambda v: jnp.real(v)  # noqa: E731
-    r = C.tree_sub(b, matvec(x0))                                   # r₀ = b − A x₀
+
+    x: Any
+    r: Any
+    u: Any
+    w: Any
+    m: Any
+    n: Any
+    z: Any          # A q
+    q: Any          # M s
+    s: Any          # A p
+    p: Any          # search direction
+    gamma: Any
+    delta: Any
+    gamma_old: Any  # γ of the previous iteration (unused at k = 0: β₀ = 0)
+    alpha_old: Any  # α of the previous iteration (likewise)
+    rr: Any         # agreed across ranks
+    k: Any
+    reason: Any
+    history: Any
+
+
+def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, history, monitor):
+    real = jnp.real
+    r = sub(b, matvec(x0))                                          # r₀ = b − A x₀
     u = precond(r)                                                  # u₀ = M r₀
     w = matvec(u)                                                   # w₀ = A u₀
     gamma, delta, rr, bb = map(real, red.dots([(r, u), (w, u), (r, r), (b, b)]))
-    nonfinite0 = ~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta)
-    failure0 = jnp.where(nonfinite0, Reason.DIVERGED_NANORINF, Reason.ITERATING).astype(jnp.int32)
-    rr, b_norm, reason0 = _start(red, rr, bb, failure0, start, probe=(delta, jnp.abs(delta)))
-    threshold, from_atol = C.stopping_threshold(b_norm, rtol, atol)
-    hist = C.record(C.new_history(history, rr.dtype), 0, jnp.sqrt(rr))
-    C.monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
+    failure = first_reason((~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta), Reason.DIVERGED_NANORINF))
+    rr, b_norm, failure = _agree_start(red, rr, bb, failure, start, probe=(delta, jnp.abs(delta)))
+    threshold, from_atol = stopping_threshold(b_norm, rtol, atol)
+    hist = record(new_history(history, rr.dtype), 0, jnp.sqrt(rr))
+    monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
     m = precond(w)                                                  # m₀ = M w₀
     n = matvec(m)                                                   # n₀ = A m₀
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, b)
-    one = jnp.ones_like(gamma)
-    # (z, q, s, p) = (A q, M s, A p, the direction); γ₋₁ and α₋₁ are unused at k = 0 (β₀ = 0).
-    state = (x0, r, u, w, m, n, zeros, zeros, zeros, zeros, gamma, delta, one, one, rr, jnp.int32(0),
-             reason0, hist)
 
-    def keep_going(st):
-        rr, k, reason = st[14], st[15], st[16]
-        return (reason == Reason.ITERATING) & (k < maxiter) & ~_status(rr, threshold, k)
+    def keep_going(st: PipelinedState):
+        return (st.reason == Reason.ITERATING) & (st.k < maxiter) & ~_converged(st.rr, threshold)
 
     def precondition_and_apply(w):                                  # ... while these run:
         m = precond(w)                                              # m = M w
         return m, matvec(m)                                         # n = A m
 
-    def step(st):
-        x, r, u, w, m, n, z, q, s, p, gamma, delta, gamma_old, alpha_old, rr, k, reason, hist = st
-        first = k == 0
-        beta = jnp.where(first, jnp.zeros_like(gamma), gamma / gamma_old)           # β = γ / γ₋₁
-        curvature = jnp.where(first, delta, delta - beta * gamma / alpha_old)       # ⟨p, A p⟩ of the new p
-        failure = jnp.where(
-            curvature < 0, Reason.DIVERGED_INDEFINITE_MAT,
-            jnp.where(curvature == 0, Reason.DIVERGED_BREAKDOWN,
-                      jnp.where(gamma < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING)),
-        )
+    def step(st: PipelinedState) -> PipelinedState:
+        first = st.k == 0
+        beta = jnp.where(first, jnp.zeros_like(st.gamma), st.gamma / st.gamma_old)              # β = γ / γ₋₁
+        curvature = jnp.where(first, st.delta, st.delta - beta * st.gamma / st.alpha_old)     # ⟨p, A p⟩, new p
+        failure = first_reason((curvature < 0, Reason.DIVERGED_INDEFINITE_MAT),
+                               (curvature == 0, Reason.DIVERGED_BREAKDOWN),
+                               (st.gamma < 0, Reason.DIVERGED_INDEFINITE_PC))
         # A failed step must not move x or r: a zero step length.
-        alpha = jnp.where(failure == Reason.ITERATING, gamma / curvature, jnp.zeros_like(gamma))
-        z = C.tree_scale_add(n, beta, z)                            # z = n + β z    (= A q)
-        q = C.tree_scale_add(m, beta, q)                            # q = m + β q    (= M s)
-        s = C.tree_scale_add(w, beta, s)                            # s = w + β s    (= A p)
-        p = C.tree_scale_add(u, beta, p)                            # p = u + β p
-        x = C.tree_axpy(alpha, p, x)                                # x ← x + α p
-        r = C.tree_axpy(-alpha, s, r)                               # r ← r − α s
-        u = C.tree_axpy(-alpha, q, u)                               # u ← u − α q    (= M r)
-        w = C.tree_axpy(-alpha, z, w)                               # w ← w − α z    (= A u)
+        alpha = jnp.where(failure == Reason.ITERATING, st.gamma / curvature, jnp.zeros_like(st.gamma))
+        z = xpby(st.n, beta, st.z)                                  # z = n + β z    (= A q)
+        q = xpby(st.m, beta, st.q)                                  # q = m + β q    (= M s)
+        s = xpby(st.w, beta, st.s)                                  # s = w + β s    (= A p)
+        p = xpby(st.u, beta, st.p)                                  # p = u + β p
+        x = axpy(alpha, p, st.x)                                    # x ← x + α p
+        r = axpy(-alpha, s, st.r)                                   # r ← r − α s
+        u = axpy(-alpha, q, st.u)                                   # u ← u − α q    (= M r)
+        w = axpy(-alpha, z, st.w)                                   # w ← w − α z    (= A u)
         pending = red.start_dots([(r, u), (w, u), (r, r)])          # γ', δ', ρ' under way ...
-        (gamma_new, delta_new, rr_new), (m, n) = red.finish_while(pending, precondition_and_apply, w)
-        gamma_new, delta_new, rr_new = map(real, (gamma_new, delta_new, rr_new))
-        failure = jnp.where(
-            failure != Reason.ITERATING, failure,
-            jnp.where(~jnp.isfinite(rr_new) | ~jnp.isfinite(gamma_new) | ~jnp.isfinite(delta_new),
-                      Reason.DIVERGED_NANORINF, Reason.ITERATING),
-        )
+        (gamma, delta, rr), (m, n) = red.finish_while(pending, precondition_and_apply, w)
+        gamma, delta, rr = map(real, (gamma, delta, rr))
+        failure = first_reason((failure != Reason.ITERATING, failure),
+                               (~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta),
+                                Reason.DIVERGED_NANORINF))
         # First step: also compare ‖r₁‖ and the curvature across ranks (replicated layout).
-        rr_new, failure = _agree(red, rr_new, failure, first, b_norm, (curvature, jnp.abs(curvature)))
+        rr, failure = red.agree_step(rr, failure, check=first, scale=b_norm, squared=True,
+                                     probe=(curvature, jnp.abs(curvature)))
         ok = failure == Reason.ITERATING
-        gamma_old = jnp.where(ok, gamma, gamma_old)
-        alpha_old = jnp.where(ok, alpha, alpha_old)
-        gamma = jnp.where(ok, gamma_new, gamma)
-        delta = jnp.where(ok, delta_new, delta)
-        rr = jnp.where(ok, rr_new, rr)
-        k = k + ok.astype(jnp.int32)
-        hist = C.record(hist, k, jnp.sqrt(rr)) if hist is not None else None
-        C.monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
-        return (x, r, u, w, m, n, z, q, s, p, gamma, delta, gamma_old, alpha_old, rr, k,
-                failure.astype(jnp.int32), hist)
+        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731  (scalars of a failed step stay)
+        k = st.k + ok.astype(jnp.int32)
+        rr = keep(rr, st.rr)
+        monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
+        return PipelinedState(x, r, u, w, m, n, z, q, s, p, keep(gamma, st.gamma), keep(delta, st.delta),
+                              keep(st.gamma, st.gamma_old), keep(alpha, st.alpha_old), rr, k, failure,
+                              record(st.history, k, jnp.sqrt(rr)))
 
-    out = jax.lax.while_loop(keep_going, step, state)
-    x, rr, k, reason, hist = out[0], out[14], out[15], out[16], out[17]
-    converged = (reason == Reason.ITERATING) & _status(rr, threshold, k)
-    reason = C.finish_reason(from_atol, converged, k, maxiter, reason)
-    return x, SolverInfo(k, jnp.sqrt(rr), converged, reason, hist)
-
-
-def _agree(red: C.Reductions, rr: Any, failure: Any, check: Any, b_norm: Any, probe: Any = None) -> tuple[Any, Any]:
-    """Replicated layout: the stopping quantities made identical on every rank.
-
-    One fused allreduce (max) of (‖r‖², −‖r‖², −code[, probe]); failure codes
-    are ≤ 0, so the most negative wins everywhere. Where `check` (the first
-    iteration), ranks whose ‖r‖ (or probe) differ beyond rounding give
-    DIVERGED_INCONSISTENT_RANKS. Sharded values already agree.
-    """
-    agreed = red.agree(rr, failure, probe=probe)
-    return agreed.value, C.mark_inconsistent(agreed.failure, C.inconsistent(agreed, check, b_norm, squared=True))
+    zeros = zeros_like(b)
+    one = jnp.ones_like(gamma)
+    state = PipelinedState(x0, r, u, w, m, n, zeros, zeros, zeros, zeros, gamma, delta, one, one, rr, jnp.int32(0),
+                           failure, hist)
+    st = jax.lax.while_loop(keep_going, step, state)
+    return _result(st.x, st.rr, st.k, st.reason, st.history, threshold, from_atol, maxiter)

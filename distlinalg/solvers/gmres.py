@@ -31,12 +31,14 @@ identical on every rank.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from . import _arguments
 from . import _common as C
+from ._vectors import as_coefficient, local_vdot, scalar_dtype, scale, sub
 from ._common import Reason, SolverInfo
 from ._driver import krylov_solve
 
@@ -103,23 +105,27 @@ def gmres(
     so that it is the matrix transpose even when the matvec communicates).
     vmap over b runs the lanes in one loop.
 
-    Example::
-
-        x, info = distlinalg.gmres(lambda v: A @ v, b, rtol=1e-8, restart=30)
-        assert info.converged
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import distlinalg as dl
+      >>> A = jnp.array([[3.0, 1.0, 0.0], [-1.0, 3.0, 1.0], [0.0, -1.0, 3.0]])  # nonsymmetric
+      >>> b = jnp.array([1.0, 2.0, 3.0])
+      >>> x, info = dl.gmres(lambda v: A @ v, b, rtol=1e-6, restart=2)
+      >>> bool(info.converged), bool(jnp.allclose(A @ x, b, atol=1e-5))
+      (True, True)
     """
     if solve_method not in METHODS:
         raise ValueError(f"invalid solve_method {solve_method}, must be either 'incremental' or 'batched'")
     if isinstance(restart, bool) or not isinstance(restart, int) or restart < 1:
         raise ValueError(f"distlinalg.gmres: restart must be an int >= 1, got {restart!r}")
-    if C.is_real_linear(A):
-        return C.solve_real_linear(
+    if _arguments.is_real_linear(A):
+        return _arguments.solve_real_linear(
             gmres, A, b, x0, M, tol=tol, rtol=rtol, atol=atol, restart=restart, maxiter=maxiter,
             solve_method=solve_method, layout=layout, comm=comm, history=history, monitor=monitor,
         )
-    p = C.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
+    p = _arguments.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
     if p.reductions.layout == "replicated":
-        restart = max(1, min(restart, C.global_size(p.b)))
+        restart = max(1, min(restart, _arguments.global_size(p.b)))
     incremental = solve_method == "incremental"
 
     def iterate(mv, rhs, x_init, rtol_agreed, atol_scaled, maxiter_agreed, start):
@@ -156,7 +162,7 @@ def _local_projections(V: Any, w: Any, dtype: Any) -> Any:
 def _combination(V: Any, y: Any) -> Any:
     """Σ_j y_j v_j (y may be shorter than the basis: the first len(y) vectors)."""
     def leaf_combination(leaf: Any) -> Any:
-        coefficients = C.as_coefficient(y, leaf)
+        coefficients = as_coefficient(y, leaf)
         return jnp.tensordot(coefficients, leaf[: y.shape[0]], axes=(0, 0), precision=jax.lax.Precision.HIGHEST)
 
     return jax.tree_util.tree_map(leaf_combination, V)
@@ -165,10 +171,10 @@ def _combination(V: Any, y: Any) -> Any:
 def _project_out(red: C.Reductions, V: Any, w: Any, dtype: Any) -> tuple[Any, Any, Any]:
     """(w − V h, h, ‖w‖²) with h = Vᴴ w: one reduction for h and the norm."""
     local = jnp.concatenate([_local_projections(V, w, dtype),
-                             jnp.real(C.local_vdot(w, w)).astype(dtype)[None]])
+                             jnp.real(local_vdot(w, w)).astype(dtype)[None]])
     total = red.sum(local)
     h, norm_sq = total[:-1], jnp.real(total[-1])
-    return C.tree_sub(w, _combination(V, h)), h, norm_sq
+    return sub(w, _combination(V, h)), h, norm_sq
 
 
 # ---------------------------------------------------------------------------
@@ -233,24 +239,54 @@ def _back_substitute(H: Any, S: Any, steps: Any) -> Any:
     return jax.lax.fori_loop(0, m, row, jnp.zeros((m,), H.dtype))
 
 
+class GmresState(NamedTuple):
+    """Restarted GMRES between cycles."""
+
+    x: Any
+    r: Any        # b − A x
+    z: Any        # M r
+    zz: Any       # ⟨z, z⟩
+    rr: Any       # ⟨r, r⟩, agreed across ranks
+    ptol: Any     # the inner (Arnoldi) tolerance of the next cycle (scipy's control)
+    factor: Any
+    k: Any        # Arnoldi steps so far (info.iterations)
+    cycles: Any   # restarts so far (bounded by maxiter, as in scipy)
+    reason: Any
+    history: Any
+
+
+class ArnoldiState(NamedTuple):
+    """One cycle's Arnoldi process after j steps."""
+
+    V: Any          # the basis, leaves with a leading axis of restart + 1
+    H: Any          # Hessenberg columns as rows, triangularised as they come
+    rotations: Any  # (c, s) of the Givens rotations so far
+    S: Any          # the rotated right-hand side β e₁
+    j: Any
+    presid: Any     # |S[j]|: the preconditioned residual estimate, agreed across ranks
+    breakdown: Any  # an invariant subspace was found
+    k: Any
+    reason: Any
+    history: Any
+
+
 # ---------------------------------------------------------------------------
 def _gmres(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, restart, incremental,
            history, monitor):
-    dtype = C.scalar_dtype(b)
+    dtype = scalar_dtype(b)
     real = jnp.real(jnp.zeros((), dtype)).dtype
     eps = jnp.finfo(real).eps
     m = restart
 
     def residual(x):
-        r = C.tree_sub(b, matvec(x))
+        r = sub(b, matvec(x))
         return r, precond(r)
 
     r, z = residual(x0)
     mb = precond(b)
     bb, mbmb, rr, zz = (jnp.real(v) for v in red.dots([(b, b), (mb, mb), (r, r), (z, z)]))
     nonfinite = ~(jnp.isfinite(rr) & jnp.isfinite(zz) & jnp.isfinite(mbmb))
-    failure = jnp.where(start != Reason.ITERATING, start,
-                        jnp.where(nonfinite, Reason.DIVERGED_NANORINF, Reason.ITERATING)).astype(jnp.int32)
+    failure = C.first_reason((start != Reason.ITERATING, start), (nonfinite, Reason.DIVERGED_NANORINF))
     agreed = red.agree(rr, failure, also=[bb, mbmb])
     rr = agreed.value
     b_norm, mb_norm = jnp.sqrt(agreed.also[0]), jnp.sqrt(agreed.also[1])
@@ -261,81 +297,81 @@ def _gmres(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions
     hist = C.record(C.new_history(history, real), 0, jnp.sqrt(zz))
     C.monitor_print("gmres", red.comm, monitor, 0, jnp.sqrt(zz))
 
-    state = dict(x=x0, r=r, z=z, zz=zz, rr=rr, ptol=ptol.astype(real), factor=jnp.ones((), real),
-                 k=jnp.int32(0), cycles=jnp.int32(0), reason=failure, hist=hist)
+    state = GmresState(x=x0, r=r, z=z, zz=zz, rr=rr, ptol=ptol.astype(real), factor=jnp.ones((), real),
+                       k=jnp.int32(0), cycles=jnp.int32(0), reason=failure, history=hist)
 
-    def keep_going(s):
-        return (s["reason"] == Reason.ITERATING) & (s["cycles"] < maxiter) & ~(jnp.sqrt(s["rr"]) <= threshold)
+    def keep_going(s: GmresState):
+        return (s.reason == Reason.ITERATING) & (s.cycles < maxiter) & ~(jnp.sqrt(s.rr) <= threshold)
 
-    def cycle(s):
-        beta = jnp.sqrt(s["zz"])
+    def cycle(s: GmresState) -> GmresState:
+        beta = jnp.sqrt(s.zz)
         safe_beta = jnp.where(beta > 0, beta, jnp.ones_like(beta))
-        V = _set_basis_vector(_new_basis(b, m + 1), 0, C.tree_scale(1 / safe_beta, s["z"]))
-        inner = dict(V=V, H=jnp.zeros((m, m + 1), dtype), rotations=jnp.zeros((m, 2), dtype),
-                     S=jnp.zeros((m + 1,), dtype).at[0].set(beta.astype(dtype)), j=jnp.int32(0),
-                     presid=beta, breakdown=jnp.bool_(False), k=s["k"], reason=s["reason"], hist=s["hist"])
+        V = _set_basis_vector(_new_basis(b, m + 1), 0, scale(1 / safe_beta, s.z))
+        inner = ArnoldiState(V=V, H=jnp.zeros((m, m + 1), dtype), rotations=jnp.zeros((m, 2), dtype),
+                             S=jnp.zeros((m + 1,), dtype).at[0].set(beta.astype(dtype)), j=jnp.int32(0),
+                             presid=beta, breakdown=jnp.bool_(False), k=s.k, reason=s.reason, history=s.history)
 
-        def arnoldi_going(t):
-            going = (t["j"] < m) & ~t["breakdown"] & (t["reason"] == Reason.ITERATING)
+        def arnoldi_going(t: ArnoldiState):
+            going = (t.j < m) & ~t.breakdown & (t.reason == Reason.ITERATING)
             if incremental:
-                going = going & ~(t["presid"] <= s["ptol"])
+                going = going & ~(t.presid <= s.ptol)
             return going
 
-        def arnoldi_step(t):
-            j = t["j"]
-            w = precond(matvec(_basis_vector(t["V"], j)))
-            w, h, ww = _project_out(red, t["V"], w, dtype)
-            w, h_again, ww_again = _project_out(red, t["V"], w, dtype)
+        def arnoldi_step(t: ArnoldiState) -> ArnoldiState:
+            j = t.j
+            w = precond(matvec(_basis_vector(t.V, j)))
+            w, h, ww = _project_out(red, t.V, w, dtype)
+            w, h_again, ww_again = _project_out(red, t.V, w, dtype)
             h = h + h_again
             h_norm0 = jnp.sqrt(jnp.maximum(ww, 0))
             h_next = jnp.sqrt(jnp.maximum(ww_again - jnp.sum(jnp.abs(h_again) ** 2), 0))
             breakdown = h_next <= eps * h_norm0  # M A v_j lies in the basis: an invariant subspace
             h_next = jnp.where(breakdown, jnp.zeros_like(h_next), h_next)
             safe_next = jnp.where(breakdown, jnp.ones_like(h_next), h_next)
-            v_next = C.tree_scale(jnp.where(breakdown, 0.0, 1.0).astype(real) / safe_next, w)
-            V = _set_basis_vector(t["V"], j + 1, v_next)
-            H = t["H"].at[j].set(h.at[j + 1].set(h_next.astype(dtype)))
-            H, rotations, S = _triangularise_column(H, t["rotations"], t["S"], j)
+            v_next = scale(jnp.where(breakdown, 0.0, 1.0).astype(real) / safe_next, w)
+            V = _set_basis_vector(t.V, j + 1, v_next)
+            H = t.H.at[j].set(h.at[j + 1].set(h_next.astype(dtype)))
+            H, rotations, S = _triangularise_column(H, t.rotations, t.S, j)
             presid = jnp.abs(S[j + 1]).astype(real)
             failure = jnp.where(jnp.isfinite(h_norm0) & jnp.isfinite(presid), Reason.ITERATING,
                                 Reason.DIVERGED_NANORINF).astype(jnp.int32)
             # Replicated layout: the decisions (stop the cycle, breakdown, failure)
             # made identical on every rank; in the very first step also compare
             # the residual estimate and ‖M A v₀‖ across ranks.
-            first = t["k"] == 0
+            first = t.k == 0
             agreed = red.agree(presid, failure, also=[breakdown.astype(real)], probe=(h_norm0, h_norm0))
             presid = agreed.value
             failure = C.mark_inconsistent(agreed.failure, C.inconsistent(agreed, first, b_norm, squared=False))
-            k = t["k"] + 1
-            hist = C.record(t["hist"], k, presid) if t["hist"] is not None else None
+            k = t.k + 1
+            hist = C.record(t.history, k, presid)
             C.monitor_print("gmres", red.comm, monitor, k, presid)
-            return dict(V=V, H=H, rotations=rotations, S=S, j=j + 1, presid=presid, breakdown=agreed.also[0] > 0,
-                        k=k, reason=failure, hist=hist)
+            return ArnoldiState(V=V, H=H, rotations=rotations, S=S, j=j + 1, presid=presid,
+                                breakdown=agreed.also[0] > 0, k=k, reason=failure, history=hist)
 
         t = jax.lax.while_loop(arnoldi_going, arnoldi_step, inner)
-        y = _back_substitute(t["H"], t["S"], t["j"])
+        y = _back_substitute(t.H, t.S, t.j)
         # A failed step must not move x: a zero update, no select over whole vectors.
-        y = jnp.where(t["reason"] == Reason.ITERATING, y, jnp.zeros_like(y))
-        x = jax.tree_util.tree_map(jnp.add, s["x"], _combination(t["V"], y))
+        y = jnp.where(t.reason == Reason.ITERATING, y, jnp.zeros_like(y))
+        x = jax.tree_util.tree_map(jnp.add, s.x, _combination(t.V, y))
         r, z = residual(x)
         rr, zz = (jnp.real(v) for v in red.dots([(r, r), (z, z)]))
-        failure = jnp.where(jnp.isfinite(rr) & jnp.isfinite(zz), t["reason"], Reason.DIVERGED_NANORINF)
+        failure = jnp.where(jnp.isfinite(rr) & jnp.isfinite(zz), t.reason, Reason.DIVERGED_NANORINF)
         agreed = red.agree(rr, failure.astype(jnp.int32))
         rr, failure = agreed.value, agreed.failure
         r_norm = jnp.sqrt(rr)
         converged = r_norm <= threshold
         # The space was exhausted, yet the true residual is too large: A or M is singular.
-        failure = jnp.where(t["breakdown"] & ~converged & (failure == Reason.ITERATING),
+        failure = jnp.where(t.breakdown & ~converged & (failure == Reason.ITERATING),
                             Reason.DIVERGED_BREAKDOWN, failure).astype(jnp.int32)
         # scipy's inner tolerance control: tighter after a cycle that met it, looser otherwise.
-        factor = jnp.where(t["presid"] <= s["ptol"], jnp.maximum(eps, 0.25 * s["factor"]),
-                           jnp.minimum(1.0, 1.5 * s["factor"])).astype(real)
-        ptol = (t["presid"] * jnp.minimum(factor, threshold / jnp.where(r_norm > 0, r_norm, 1.0))).astype(real)
-        return dict(x=x, r=r, z=z, zz=zz, rr=rr, ptol=ptol, factor=factor, k=t["k"], cycles=s["cycles"] + 1,
-                    reason=failure, hist=t["hist"])
+        factor = jnp.where(t.presid <= s.ptol, jnp.maximum(eps, 0.25 * s.factor),
+                           jnp.minimum(1.0, 1.5 * s.factor)).astype(real)
+        ptol = (t.presid * jnp.minimum(factor, threshold / jnp.where(r_norm > 0, r_norm, 1.0))).astype(real)
+        return GmresState(x=x, r=r, z=z, zz=zz, rr=rr, ptol=ptol, factor=factor, k=t.k, cycles=s.cycles + 1,
+                          reason=failure, history=t.history)
 
     s = jax.lax.while_loop(keep_going, cycle, state)
-    r_norm = jnp.sqrt(s["rr"])
-    converged = (s["reason"] == Reason.ITERATING) & (r_norm <= threshold)
-    reason = C.finish_reason(from_atol, converged, s["cycles"], maxiter, s["reason"])
-    return s["x"], SolverInfo(s["k"], r_norm, converged, reason, s["hist"])
+    r_norm = jnp.sqrt(s.rr)
+    converged = (s.reason == Reason.ITERATING) & (r_norm <= threshold)
+    reason = C.finish_reason(from_atol, converged, s.cycles, maxiter, s.reason)
+    return s.x, SolverInfo(s.k, r_norm, converged, reason, s.history)

@@ -22,14 +22,16 @@ from an extra inner product; with a preconditioner it is the M-norm
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from . import _common as C
-from ._common import Reason, SolverInfo
+from . import _arguments
+from ._common import Reason, Reductions, SolverInfo, finish_reason, first_reason, inconsistent
+from ._common import mark_inconsistent, monitor_print, new_history, record, stopping_threshold
 from ._driver import krylov_solve
+from ._vectors import as_coefficient, axpy, scale, sub, zeros_like
 
 
 def minres(
@@ -74,17 +76,31 @@ def minres(
     AD: ``lax.custom_linear_solve`` with the same operator (symmetric), so
     gradients cost one more MINRES solve; derivatives with respect to the
     shift are not propagated (it is treated as a constant).
+
+    Example:
+      A symmetric indefinite system, where cg would stop:
+
+      >>> import jax.numpy as jnp
+      >>> import distlinalg as dl
+      >>> A = jnp.array([[2.0, 1.0, 0.0], [1.0, -3.0, 1.0], [0.0, 1.0, 1.0]])
+      >>> b = jnp.array([1.0, 0.0, -1.0])
+      >>> x, info = dl.minres(A, b, rtol=1e-6)
+      >>> bool(info.converged), bool(jnp.allclose(A @ x, b, atol=1e-4))
+      (True, True)
+      >>> x, info = dl.minres(A, b, shift=0.5, rtol=1e-6)    # (A − 0.5 I) x = b
+      >>> bool(jnp.allclose(A @ x - 0.5 * x, b, atol=1e-4))
+      True
     """
-    if C.is_real_linear(A):
-        return C.solve_real_linear(
+    if _arguments.is_real_linear(A):
+        return _arguments.solve_real_linear(
             minres, A, b, x0, M, shift=shift, tol=tol, rtol=rtol, atol=atol, maxiter=maxiter, layout=layout,
             comm=comm, history=history, monitor=monitor,
         )
-    p = C.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
+    p = _arguments.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
     shift = jax.lax.stop_gradient(jnp.asarray(shift))
 
     def shifted(v):
-        return C.tree_axpy(-shift, v, p.matvec(v))
+        return axpy(-shift, v, p.matvec(v))                         # (A − σ) v
 
     def iterate(mv, rhs, x_init, rtol_agreed, atol_scaled, maxiter_agreed, start):
         # custom_linear_solve hands back `shifted` (or its transpose) as mv.
@@ -94,143 +110,137 @@ def minres(
     return krylov_solve(iterate, shifted, p.b, p, history=history)
 
 
-def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, history, monitor):
+class MinresState(NamedTuple):
+    """MINRES at the top of an iteration.
+
+    The two-term histories (r₁, r₂) and (w₁, w₂) live in fixed slots ``a``
+    and ``b``: each step writes its new vector over the older one, and the
+    next step reads the slots the other way round. Shifting the values down
+    (r₁ ← r₂) instead made XLA copy two whole vectors per iteration.
+    """
+
+    x: Any
+    r_a: Any
+    r_b: Any
+    y: Any       # M r₂ (None without a preconditioner: it is r₂ itself)
+    w_a: Any
+    w_b: Any
+    beta: Any    # β_k
+    oldb: Any    # β_{k−1}
+    dbar: Any    # rotation state: d̄, ε, c, s
+    epsln: Any
+    cs: Any
+    sn: Any
+    phibar: Any  # φ̄ = ‖r‖ in the preconditioner's metric, agreed across ranks
+    k: Any
+    reason: Any
+    happy: Any   # β = 0: the Krylov space is exhausted
+    history: Any
+
+
+# The vectors of the state (the rest are scalars and the history).
+_VECTORS = frozenset({"x", "y", "r_a", "r_b", "w_a", "w_b"})
+
+
+def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, history, monitor):
     real = jnp.real
-    r1 = C.tree_sub(b, op(x0))
-    y = precond(r1)
-    mb = precond(b) if precond is not C.identity else b
-    beta1_sq, bnorm_sq = map(real, red.dots([(r1, y), (b, mb)]))
+    preconditioned = precond is not _arguments.identity
+    r1 = sub(b, op(x0))                                             # r₁ = b − (A − σ) x₀
+    y = precond(r1)                                                 # y = M r₁
+    mb = precond(b) if preconditioned else b
+    beta1_sq, bnorm_sq = map(real, red.dots([(r1, y), (b, mb)]))    # β₁² = ⟨r₁, y⟩, ‖b‖²_M
     dtype = beta1_sq.dtype
-    failure0 = jnp.where(
-        ~jnp.isfinite(beta1_sq) | ~jnp.isfinite(bnorm_sq), Reason.DIVERGED_NANORINF,
-        jnp.where(beta1_sq < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING),
-    ).astype(jnp.int32)
-    failure0 = jnp.where(start != Reason.ITERATING, start, failure0)
+    failure = first_reason((start != Reason.ITERATING, start),
+                           (~jnp.isfinite(beta1_sq) | ~jnp.isfinite(bnorm_sq), Reason.DIVERGED_NANORINF),
+                           (beta1_sq < 0, Reason.DIVERGED_INDEFINITE_PC))
     beta1 = jnp.sqrt(jnp.abs(beta1_sq))
     # One message: φ̄₀ = β₁ (max and min), the code, and ‖b‖²_M, so that the
     # threshold is identical on every rank (replicated layout).
-    agreed = red.agree(beta1, failure0, also=[jnp.abs(bnorm_sq)])
+    agreed = red.agree(beta1, failure, also=[jnp.abs(bnorm_sq)])
     b_norm = jnp.sqrt(agreed.also[0])
-    phibar = agreed.value
-    failure0 = C.mark_inconsistent(agreed.failure, C.inconsistent(agreed, True, b_norm, squared=False))
-    threshold, from_atol = C.stopping_threshold(b_norm, rtol, atol)
-    hist = C.record(C.new_history(history, dtype), 0, phibar)
-    C.monitor_print("minres", red.comm, monitor, 0, phibar)
+    failure = mark_inconsistent(agreed.failure, inconsistent(agreed, True, b_norm, squared=False))
+    threshold, from_atol = stopping_threshold(b_norm, rtol, atol)
+    hist = record(new_history(history, dtype), 0, agreed.value)
+    monitor_print("minres", red.comm, monitor, 0, agreed.value)
 
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, b)
-    one, zero = jnp.ones((), dtype), jnp.zeros((), dtype)
-    # Without a preconditioner y = M r₂ is r₂ itself: carrying both would make
-    # XLA copy the vector every iteration.
-    preconditioned = precond is not C.identity
-    # The two-term histories (r₁, r₂) and (w₁, w₂) live in fixed slots "a" and
-    # "b": each step writes its new vector over the older one, and the next
-    # step reads the slots the other way round. Shifting the values down
-    # (r₁ ← r₂) instead made XLA copy two whole vectors per iteration. The loop
-    # body is therefore two steps, the second masked off when the first ends
-    # the solve (see `body`).
-    state = dict(
-        x=x0, r_a=r1, r_b=r1, y=y if preconditioned else None, w_a=zeros, w_b=zeros,
-        beta=beta1, oldb=zero, dbar=zero, epsln=zero, phibar=phibar,
-        cs=-one, sn=zero, k=jnp.int32(0), reason=failure0, happy=jnp.bool_(False), hist=hist,
-    )
+    def keep_going(s: MinresState):
+        return (s.reason == Reason.ITERATING) & ~s.happy & (s.k < maxiter) & ~(s.phibar <= threshold)
 
-    def keep_going(s):
-        return (s["reason"] == Reason.ITERATING) & ~s["happy"] & (s["k"] < maxiter) & ~(s["phibar"] <= threshold)
-
-    def step(s, older, newer, active=True):
-        # r₁ = s["r_" + older], r₂ = s["r_" + newer]; likewise w₁, w₂.
-        beta, oldb = s["beta"], s["oldb"]
-        r_old, r_new = s["r_" + older], s["r_" + newer]
-        v = C.tree_scale(1 / beta, s["y"] if preconditioned else r_new)
-        y = op(v)
+    def step(s: MinresState, older: str, newer: str, active: Any = True) -> MinresState:
+        """One Lanczos step and rotation; r₁, w₁ in slots `older`, r₂, w₂ in `newer`."""
+        r_old, r_new = getattr(s, "r_" + older), getattr(s, "r_" + newer)
+        w1, w2 = getattr(s, "w_" + older), getattr(s, "w_" + newer)
+        v = scale(1 / s.beta, s.y if preconditioned else r_new)     # v = y / β
+        y = op(v)                                                   # y = (A − σ) v
         # The three-term recurrence has no previous vector in the first step.
-        previous = jnp.where(s["k"] >= 1, beta / jnp.where(oldb == 0, 1, oldb), 0)
-        y = C.tree_axpy(-previous, r_old, y)
-        (alfa,) = map(real, red.dots([(v, y)]))
-        y = C.tree_axpy(-(alfa / beta), r_new, y)
-        r2 = y  # the new r₂; the old r₂ becomes r₁
-        y = precond(r2)
-        (beta_new_sq,) = map(real, red.dots([(r2, y)]))
+        previous = jnp.where(s.k >= 1, s.beta / jnp.where(s.oldb == 0, 1, s.oldb), 0)
+        y = axpy(-previous, r_old, y)                               # y ← y − (β/β_old) r₁
+        (alfa,) = map(real, red.dots([(v, y)]))                     # α = ⟨v, y⟩
+        r2 = axpy(-(alfa / s.beta), r_new, y)                       # r₂' = y − (α/β) r₂; r₁' = r₂
+        y = precond(r2)                                             # y = M r₂'
+        (beta_new_sq,) = map(real, red.dots([(r2, y)]))             # β' = √⟨r₂', y⟩
         beta_new = jnp.sqrt(jnp.abs(beta_new_sq))
         # Givens rotation of the new column of T_k.
-        cs, sn, dbar = s["cs"], s["sn"], s["dbar"]
-        oldeps = s["epsln"]
-        delta = cs * dbar + sn * alfa
-        gbar = sn * dbar - cs * alfa
-        epsln = sn * beta_new
-        dbar = -cs * beta_new
-        gamma = jnp.hypot(gbar, beta_new)
-        gamma = jnp.maximum(gamma, jnp.finfo(dtype).tiny)
-        cs = gbar / gamma
-        sn = beta_new / gamma
-        phi = cs * s["phibar"]
-        phibar = sn * s["phibar"]
-        w1, w2 = s["w_" + older], s["w_" + newer]
-        w = jax.tree_util.tree_map(
-            lambda a, b_, c: (a - C.as_coefficient(oldeps, a) * b_ - C.as_coefficient(delta, a) * c)
-            / C.as_coefficient(gamma, a), v, w1, w2)
+        delta = s.cs * s.dbar + s.sn * alfa                         # δ = c d̄ + s α
+        gbar = s.sn * s.dbar - s.cs * alfa                          # ḡ = s d̄ − c α
+        epsln = s.sn * beta_new                                     # ε' = s β'
+        dbar = -s.cs * beta_new                                     # d̄ = −c β'
+        gamma = jnp.maximum(jnp.hypot(gbar, beta_new), jnp.finfo(dtype).tiny)  # γ = ‖(ḡ, β')‖
+        cs, sn = gbar / gamma, beta_new / gamma                     # c = ḡ/γ, s = β'/γ
+        phi, phibar = cs * s.phibar, sn * s.phibar                  # φ = c φ̄, φ̄ ← s φ̄
+        w = jax.tree_util.tree_map(                                 # w = (v − ε w₁ − δ w₂)/γ
+            lambda a, b_, c: (a - as_coefficient(s.epsln, a) * b_ - as_coefficient(delta, a) * c)
+            / as_coefficient(gamma, a), v, w1, w2)
         # x ← x + φ w, only in an active step (a masked one may hold NaNs).
-        x = jax.tree_util.tree_map(
-            lambda xi, wi: jnp.where(active, xi + C.as_coefficient(phi, xi) * wi, xi), s["x"], w)
-        failure = jnp.where(
-            ~jnp.isfinite(alfa) | ~jnp.isfinite(beta_new_sq) | ~jnp.isfinite(phibar),
-            Reason.DIVERGED_NANORINF,
-            jnp.where(beta_new_sq < 0, Reason.DIVERGED_INDEFINITE_PC, Reason.ITERATING),
-        ).astype(jnp.int32)
+        x = jax.tree_util.tree_map(lambda xi, wi: jnp.where(active, xi + as_coefficient(phi, xi) * wi, xi), s.x, w)
+        failure = first_reason(
+            (~jnp.isfinite(alfa) | ~jnp.isfinite(beta_new_sq) | ~jnp.isfinite(phibar), Reason.DIVERGED_NANORINF),
+            (beta_new_sq < 0, Reason.DIVERGED_INDEFINITE_PC))
         # First step: also compare φ̄₁ and the curvature α₁ = ⟨v₁, A v₁⟩ (relative
         # to ‖A v₁‖ ≈ (α₁, β₂)) across ranks.
-        phibar, failure = _agree(red, phibar, failure, s["k"] == 0, b_norm, (alfa, jnp.hypot(alfa, beta_new)))
-        k = s["k"] + 1
+        phibar, failure = red.agree_step(phibar, failure, check=s.k == 0, scale=b_norm, squared=False,
+                                         probe=(alfa, jnp.hypot(alfa, beta_new)))
+        k = s.k + 1
         # A masked step records nowhere (an index past the history).
-        hist = C.record(s["hist"], jnp.where(active, k, jnp.iinfo(jnp.int32).max), phibar)
+        hist = record(s.history, jnp.where(active, k, jnp.iinfo(jnp.int32).max), phibar)
         if active is True:
-            C.monitor_print("minres", red.comm, monitor, k, phibar)
-        new = dict(
-            x=x, y=y if preconditioned else None, beta=beta_new, oldb=beta, dbar=dbar, epsln=epsln,
-            phibar=phibar, cs=cs, sn=sn, k=k, reason=failure, happy=beta_new == 0, hist=hist,
-        )
-        new["r_" + older], new["r_" + newer] = r2, r_new
-        new["w_" + older], new["w_" + newer] = w, w2
+            monitor_print("minres", red.comm, monitor, k, phibar)
+        new = s._replace(x=x, y=y if preconditioned else None, beta=beta_new, oldb=s.beta, dbar=dbar, epsln=epsln,
+                         cs=cs, sn=sn, phibar=phibar, k=k, reason=failure, happy=beta_new == 0, history=hist,
+                         **{"r_" + older: r2, "r_" + newer: r_new, "w_" + older: w, "w_" + newer: w2})
         if active is True:
             return new
         # Scalars of a masked step keep their values, so that the loop test
         # sees the state the first step left. Its vectors are garbage, but the
         # loop ends right after it.
-        return {key: (value if key in _VECTORS else
-                      jax.tree_util.tree_map(lambda n, o: jnp.where(active, n, o), value, s[key]))
-                for key, value in new.items()}
+        return MinresState(*(
+            value if name in _VECTORS else jax.tree_util.tree_map(lambda n, o: jnp.where(active, n, o), value, old)
+            for name, value, old in zip(MinresState._fields, new, s)))
 
     if monitor:
         # The monitor prints every step as it happens: one step per loop body.
-        def body(s):
+        def body(s: MinresState) -> MinresState:
             t = step(s, "a", "b")
             # Shift the slots back (the copies the pair avoids).
-            t["r_a"], t["r_b"], t["w_a"], t["w_b"] = t["r_b"], t["r_a"], t["w_b"], t["w_a"]
-            return t
+            return t._replace(r_a=t.r_b, r_b=t.r_a, w_a=t.w_b, w_b=t.w_a)
     else:
-        def body(s):
+        def body(s: MinresState) -> MinresState:
             # Step k (r₁, w₁ in slots a) then step k+1 (slots b), the
             # latter masked when step k ended the solve. Every rank takes the
             # same branch values: keep_going reads agreed quantities only.
             t = step(s, "a", "b")
             return step(t, "b", "a", active=keep_going(t))
 
+    zeros, one, zero = zeros_like(b), jnp.ones((), dtype), jnp.zeros((), dtype)
+    # Without a preconditioner y = M r₂ is r₂ itself: carrying both would make
+    # XLA copy the vector every iteration.
+    state = MinresState(x=x0, r_a=r1, r_b=r1, y=y if preconditioned else None, w_a=zeros, w_b=zeros, beta=beta1,
+                        oldb=zero, dbar=zero, epsln=zero, cs=-one, sn=zero, phibar=agreed.value, k=jnp.int32(0),
+                        reason=failure, happy=jnp.bool_(False), history=hist)
     s = jax.lax.while_loop(keep_going, body, state)
-    converged = (s["reason"] == Reason.ITERATING) & (s["phibar"] <= threshold)
-    reason = C.finish_reason(from_atol, converged, s["k"], maxiter, s["reason"])
+    converged = (s.reason == Reason.ITERATING) & (s.phibar <= threshold)
+    reason = finish_reason(from_atol, converged, s.k, maxiter, s.reason)
     happy = (reason == Reason.DIVERGED_MAX_IT) | (reason == Reason.ITERATING)
-    reason = jnp.where(s["happy"] & happy, Reason.CONVERGED_HAPPY_BREAKDOWN, reason).astype(jnp.int32)
+    reason = jnp.where(s.happy & happy, Reason.CONVERGED_HAPPY_BREAKDOWN, reason).astype(jnp.int32)
     converged = converged | (reason == Reason.CONVERGED_HAPPY_BREAKDOWN)
-    return s["x"], SolverInfo(s["k"], s["phibar"], converged, reason, s["hist"])
-
-
-# Vectors of the MINRES loop state (the rest are scalars and the history).
-_VECTORS = frozenset({"x", "y", "r_a", "r_b", "w_a", "w_b"})
-
-
-def _agree(red: C.Reductions, value: Any, failure: Any, check: Any, b_norm: Any, probe: Any) -> tuple[Any, Any]:
-    """Replicated layout: one fused max-allreduce of (φ̄, −φ̄, −code, probe);
-    in the first iteration (`check`) a disagreement beyond rounding is
-    DIVERGED_INCONSISTENT_RANKS."""
-    agreed = red.agree(value, failure, probe=probe)
-    return agreed.value, C.mark_inconsistent(agreed.failure, C.inconsistent(agreed, check, b_norm, squared=False))
+    return s.x, SolverInfo(s.k, s.phibar, converged, reason, s.history)

@@ -1,0 +1,79 @@
+"""Vector algebra of the Krylov recurrences, on pytrees of this rank's pieces.
+
+Every update keeps each leaf in its own dtype: the recurrences' scalars are
+real (norms, HPD inner products) or of the system's dtype, and are cast to
+each leaf before use, so the solvers run under
+``jax_numpy_dtype_promotion="strict"`` and keep weakly typed inputs weak.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import _compat
+
+
+def as_coefficient(alpha: Any, leaf: Any) -> Any:
+    """The scalar `alpha` in `leaf`'s dtype (and weak type); real leaves take Re alpha."""
+    if not jnp.iscomplexobj(leaf) and jnp.iscomplexobj(alpha):
+        alpha = jnp.real(alpha)
+    return _compat.convert_element_type(alpha, jnp.result_type(leaf), _compat.is_weakly_typed(leaf))
+
+
+def axpy(alpha: Any, x: Any, y: Any) -> Any:
+    """α x + y."""
+    return jax.tree_util.tree_map(lambda a, b: as_coefficient(alpha, b) * a.astype(b.dtype) + b, x, y)
+
+
+def xpby(x: Any, beta: Any, y: Any) -> Any:
+    """x + β y."""
+    return jax.tree_util.tree_map(lambda a, b: a + as_coefficient(beta, a) * b.astype(a.dtype), x, y)
+
+
+def sub(x: Any, y: Any) -> Any:
+    """x − y."""
+    return jax.tree_util.tree_map(jnp.subtract, x, y)
+
+
+def scale(alpha: Any, x: Any) -> Any:
+    """α x."""
+    return jax.tree_util.tree_map(lambda a: as_coefficient(alpha, a) * a, x)
+
+
+def zeros_like(x: Any) -> Any:
+    """0 shaped like x."""
+    return jax.tree_util.tree_map(jnp.zeros_like, x)
+
+
+def local_vdot(x: Any, y: Any) -> Any:
+    """Σ conj(x)·y over all leaves of this rank's pieces (complex when inputs are).
+
+    Leaves of different dtypes (a real and a complex leaf in one pytree) are
+    summed in their common dtype, explicitly (strict dtype promotion).
+    """
+    parts = [jnp.vdot(a, b, precision=jax.lax.Precision.HIGHEST)
+             for a, b in zip(jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y))]
+    dtype = common_dtype(*[p.dtype for p in parts])
+    parts = [p.astype(dtype) for p in parts]
+    return sum(parts[1:], parts[0])
+
+
+def common_dtype(*dtypes: Any) -> Any:
+    """The dtype that holds all of `dtypes`, by JAX's standard promotion (also
+    under ``jax_numpy_dtype_promotion="strict"``: callers cast explicitly)."""
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.result_type(*dtypes)
+
+
+def scalar_dtype(tree: Any) -> Any:
+    """The dtype of the recurrences' scalars for vectors shaped like `tree`."""
+    return common_dtype(*[jnp.result_type(leaf) for leaf in jax.tree_util.tree_leaves(tree)])
+
+
+def real_dtype(tree: Any) -> Any:
+    """The real dtype of norms of vectors shaped like `tree` (float for integer vectors)."""
+    dtype = scalar_dtype(tree)
+    return jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.inexact) else jnp.result_type(float)
