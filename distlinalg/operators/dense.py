@@ -70,10 +70,19 @@ def dense_rows(
     at trace time). The block is the operator's pytree child: pass the
     operator to a jitted function, or differentiate with respect to it.
 
-    Example::
-
-        A = dense_rows(my_rows)                 # (m_r, N)
-        y = A @ my_block_of_x                   # (m_r,)
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import Partition, dense_rows
+      >>> M = jnp.arange(36.0).reshape(6, 6)       # the global matrix, on every rank
+      >>> p = Partition.even(6, comm.size())
+      >>> mine = slice(p.starts[comm.rank()], p.starts[comm.rank() + 1])
+      >>> A = dense_rows(M[mine])                   # this rank's rows
+      >>> x = jnp.arange(6.0)
+      >>> bool(jnp.allclose(A @ x[mine], (M @ x)[mine]))  # this rank's block of M x
+      True
+      >>> bool(jnp.allclose(A.T @ x[mine], (M.T @ x)[mine]))
+      True
     """
     comm = resolve_comm(comm)
     rows = _local_matrix(rows, "dense_rows")
@@ -126,10 +135,19 @@ def dense_columns(
       Σ_q A[:, C_q] x_q (one reduce_scatter per matvec). ``.T`` is the
       row-partitioned Aᵀ. The block is the operator's pytree child.
 
-    Example::
-
-        A = dense_columns(my_columns)           # (M, n_r)
-        y = A @ my_block_of_x                   # this rank's block of A x
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import Partition, dense_columns
+      >>> M = jnp.arange(36.0).reshape(6, 6)       # the global matrix, on every rank
+      >>> p = Partition.even(6, comm.size())
+      >>> mine = slice(p.starts[comm.rank()], p.starts[comm.rank() + 1])
+      >>> A = dense_columns(M[:, mine])             # this rank's columns
+      >>> x = jnp.arange(6.0)
+      >>> bool(jnp.allclose(A @ x[mine], (M @ x)[mine]))  # this rank's block of M x
+      True
+      >>> A.to_dense().shape
+      (6, 6)
     """
     comm = resolve_comm(comm)
     columns = _local_matrix(columns, "dense_columns")

@@ -113,10 +113,18 @@ def gram(
     samples are exchanged here, once, and kept static: an operator passed to
     a jitted function is rebuilt without communicating.
 
-    Example::
-
-        S = distlinalg.operators.gram(log_psi, params, samples, diag_shift=1e-3)
-        delta, info = distlinalg.cg(S, force)
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import gram
+      >>> f = lambda w, x: jnp.tanh(x @ w)          # one output per sample
+      >>> w = jnp.array([0.5, -0.3, 0.2])
+      >>> x = jax.random.normal(jax.random.PRNGKey(comm.rank()), (4, 3))  # this rank's samples
+      >>> S = gram(f, w, x, diag_shift=1e-2)
+      >>> X = comm.allgather(x).reshape(-1, 3)      # every rank's samples: the reference
+      >>> O = jax.jacfwd(f)(w, X); O = O - O.mean(axis=0)
+      >>> bool(jnp.allclose(S @ w, O.T @ O @ w / len(X) + 1e-2 * w, atol=1e-5))
+      True
     """
     comm = resolve_comm(comm)
     model = LinearisedModel(f, params, samples, mode=mode, center=center, chunk_size=chunk_size, comm=comm,
@@ -158,16 +166,21 @@ class GramOperator(ModelOperator):
     shared by the traces nested in it (one linearisation per program, not
     per solver iteration).
 
-    Example::
-
-        S = gram(log_psi, params, samples, diag_shift=1e-3)
-
-        @jax.jit
-        def update(S, force):
-            return distlinalg.cg(S, force)[0]
-
-        delta = update(S, force)
-        delta = update(gram(log_psi, new_params, new_samples, diag_shift=1e-3), force)  # no recompilation
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import distlinalg as dl
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import gram
+      >>> f = lambda w, x: jnp.tanh(x @ w)
+      >>> x = jax.random.normal(jax.random.PRNGKey(comm.rank()), (4, 3))
+      >>> solve = jax.jit(lambda S, F: dl.cg(S, F)[0])  # the operator is an argument
+      >>> S = gram(f, jnp.array([0.5, -0.3, 0.2]), x, diag_shift=1e-2)
+      >>> S
+      GramOperator(layout='replicated', symmetric, hermitian)
+      >>> delta = solve(S, jnp.ones(3))
+      >>> S2 = gram(f, jnp.array([0.1, 0.2, 0.3]), x, diag_shift=1e-2)  # new params: no recompilation
+      >>> bool(jnp.allclose(S2 @ solve(S2, jnp.ones(3)), 1.0, atol=1e-4))
+      True
     """
 
     def __init__(self, model: LinearisedModel, diag_shift: Any, diag_scale: Any = None):

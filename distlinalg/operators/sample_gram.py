@@ -109,12 +109,19 @@ class SampleGramOperator(ModelOperator):
     model is linearised at first use in a trace, once for the traces nested
     in it.
 
-    Example::
-
-        T = sample_gram(log_psi, params, my_samples, diag_shift=1e-3)
-        solve = jax.jit(lambda T, e: distlinalg.cg(T, e)[0])
-        x = solve(T, my_residuals)                               # (n_r,) or (n_r, 2)
-        x = solve(sample_gram(log_psi, new_params, new_samples, diag_shift=1e-3), e)  # same program
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import distlinalg as dl
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import sample_gram
+      >>> f = lambda w, x: jnp.tanh(x @ w)
+      >>> x = jax.random.normal(jax.random.PRNGKey(comm.rank()), (4, 3))
+      >>> T = sample_gram(f, jnp.array([0.5, -0.3, 0.2]), x, diag_shift=1e-2)
+      >>> T.n_samples == 4 * comm.size(), T.to_dense().shape == (4, T.n_samples)
+      (True, True)
+      >>> y, info = jax.jit(dl.cg)(T, jnp.ones(4))   # this rank's block: its 4 samples
+      >>> bool(info.converged), bool(jnp.allclose(T @ y, 1.0, atol=1e-4))
+      (True, True)
     """
 
     def __init__(self, model: LinearisedModel, diag_shift: Any):
@@ -224,10 +231,18 @@ def sample_gram(
     Pytree and jit: see :class:`SampleGramOperator`. Every rank's sample
     count is exchanged here, once, and kept static.
 
-    Example::
-
-        T = distlinalg.operators.sample_gram(log_psi, params, my_samples, diag_shift=1e-3)
-        x, info = distlinalg.cg(T, my_centred_local_energies)   # sharded over samples
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import sample_gram
+      >>> f = lambda w, x: jnp.tanh(x @ w)          # one output per sample
+      >>> w = jnp.array([0.5, -0.3, 0.2])
+      >>> x = jax.random.normal(jax.random.PRNGKey(comm.rank()), (4, 3))  # this rank's samples
+      >>> T = sample_gram(f, w, x, diag_shift=1e-2)  # N × N, N = 4 · ranks
+      >>> X = comm.allgather(x).reshape(-1, 3)      # every rank's samples: the reference
+      >>> O = jax.jacfwd(f)(w, X); O = O - O.mean(axis=0)
+      >>> bool(jnp.allclose(T.to_dense(gather=True), O @ O.T / len(X) + 1e-2 * jnp.eye(len(X)), atol=1e-5))
+      True
     """
     comm = resolve_comm(comm)
     model = LinearisedModel(f, params, samples, mode=mode, center=center, chunk_size=chunk_size, comm=comm,

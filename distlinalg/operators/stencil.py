@@ -78,10 +78,15 @@ class Laplacian2D(LinearOperator):
       grid_rows: this rank's grid rows (s_r, s_{r+1}).
       halo: "overlapped" or "blocking" (module docstring).
 
-    Example::
-
-        A = laplacian_2d(64)
-        x = jax.jit(lambda A, b: distlinalg.cg(A, b)[0])(A, b)
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import distlinalg as dl
+      >>> from distlinalg.operators import laplacian_2d
+      >>> solve = jax.jit(lambda A, b: dl.cg(A, b)[0])  # the operator is an argument
+      >>> A = laplacian_2d(4)
+      >>> x = solve(A, jnp.ones(A.input_structure.shape))
+      >>> A.n, A.halo, bool(jnp.allclose(A @ x, 1.0, atol=1e-4))
+      (4, 'blocking', True)
     """
 
     def __init__(self, n: int, grid_rows: Partition, dtype: Any, comm: Communicator, halo: str = "blocking"):
@@ -200,10 +205,16 @@ def laplacian_2d(
     as an argument (every laplacian_2d of the same arguments shares the
     compilation).
 
-    Example::
-
-        A = laplacian_2d(64)
-        y = A @ my_block_of_x                    # (rows_r * 64,)
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg.operators import laplacian_2d
+      >>> A = laplacian_2d(4)                       # 16 × 16, the 4 grid rows split across ranks
+      >>> T = 2 * jnp.eye(4) - jnp.eye(4, k=1) - jnp.eye(4, k=-1)
+      >>> L = jnp.kron(jnp.eye(4), T) + jnp.kron(T, jnp.eye(4))  # the dense reference
+      >>> first, last = A.grid_rows                 # this rank's grid rows
+      >>> x = jnp.arange(16.0)
+      >>> bool(jnp.array_equal(A @ x[4 * first : 4 * last], (L @ x)[4 * first : 4 * last]))
+      True
     """
     comm = resolve_comm(comm)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:

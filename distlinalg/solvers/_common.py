@@ -41,17 +41,19 @@ class Reason(enum.IntEnum):
 
     ``DIVERGED_INCONSISTENT_RANKS`` (-20, not a PETSc code) is distlinalg's
     own: the ranks did not agree, so every rank stopped at the same point
-    without a trustworthy answer. Raised when
-      * rtol, atol or maxiter differ between ranks, or a traced value of
-        them is invalid (NaN, negative, non-finite) on some rank;
-      * replicated layout: the right-hand side differs between ranks (its
-        size, norm or a fixed random projection, compared to about half the
-        working precision);
-      * replicated layout: the stopping quantity (residual norm) or the
-        curvature of the first Krylov direction differs between ranks in the
-        first iteration beyond what rounding explains: a "replicated"
-        operator that is in fact rank-local (e.g. a Gram matrix of each
-        rank's own samples without the allreduce).
+    without a trustworthy answer. Raised when:
+
+    * rtol, atol or maxiter differ between ranks, or a traced value of
+      them is invalid (NaN, negative, non-finite) on some rank;
+    * replicated layout: the right-hand side differs between ranks (its
+      size, norm or a fixed random projection, compared to about half the
+      working precision);
+    * replicated layout: the stopping quantity (residual norm) or the
+      curvature of the first Krylov direction differs between ranks in the
+      first iteration beyond what rounding explains: a "replicated"
+      operator that is in fact rank-local (e.g. a Gram matrix of each
+      rank's own samples without the allreduce).
+
     These checks are one-sided evidence: passing them does not prove that the
     operator is identical on every rank (an operator that differs only by a
     scale factor is caught only through the curvature).
