@@ -267,20 +267,45 @@ class SingleReductionState(NamedTuple):
     history: Any
 
 
-def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, history, monitor):
+class StartWithAu(NamedTuple):
+    """The start of the single-reduction and pipelined variants: r₀, u₀ = M r₀,
+    w₀ = A u₀, their inner products, and what the ranks agreed on."""
+
+    r: Any
+    u: Any
+    w: Any
+    gamma: Any      # ⟨r₀, u₀⟩
+    delta: Any      # ⟨u₀, A u₀⟩
+    rr: Any         # ‖r₀‖², agreed
+    b_norm: Any     # ‖b‖, agreed
+    threshold: Any  # max(rtol ‖b‖, atol)
+    from_atol: Any
+    failure: Any
+    history: Any
+
+
+def _start_with_Au(matvec, b, x0, precond, rtol, atol, start, red: Reductions, history, monitor,
+                   check_curvature: bool) -> StartWithAu:
     real = jnp.real
     r = sub(b, matvec(x0))                                          # r₀ = b − A x₀
     u = precond(r)                                                  # u₀ = M r₀
     w = matvec(u)                                                   # w₀ = A u₀
     gamma, delta, rr, bb = map(real, red.dots([(r, u), (u, w), (r, r), (b, b)]))
+    curvature = [(delta < 0, Reason.DIVERGED_INDEFINITE_MAT), (delta == 0, Reason.DIVERGED_BREAKDOWN)]
     failure = first_reason((~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta), Reason.DIVERGED_NANORINF),
-                           (delta < 0, Reason.DIVERGED_INDEFINITE_MAT),
-                           (delta == 0, Reason.DIVERGED_BREAKDOWN))
+                           *(curvature if check_curvature else []))
     # The first matvec of A u₀ is here: ⟨u₀, A u₀⟩ is the curvature probe.
     rr, b_norm, failure = _agree_start(red, rr, bb, failure, start, probe=(delta, jnp.abs(delta)))
     threshold, from_atol = stopping_threshold(b_norm, rtol, atol)
     hist = record(new_history(history, rr.dtype), 0, jnp.sqrt(rr))
     monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
+    return StartWithAu(r, u, w, gamma, delta, rr, b_norm, threshold, from_atol, failure, hist)
+
+
+def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, history, monitor):
+    real = jnp.real
+    r, u, w, gamma, delta, rr, b_norm, threshold, from_atol, failure, hist = _start_with_Au(
+        matvec, b, x0, precond, rtol, atol, start, red, history, monitor, check_curvature=True)
     # Already converged at x₀: a vanishing curvature is harmless then.
     curvature_only = (failure == Reason.DIVERGED_INDEFINITE_MAT) | (failure == Reason.DIVERGED_BREAKDOWN)
     failure = jnp.where(curvature_only & _converged(rr, threshold), Reason.ITERATING, failure).astype(jnp.int32)
@@ -352,15 +377,8 @@ class PipelinedState(NamedTuple):
 
 def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, history, monitor):
     real = jnp.real
-    r = sub(b, matvec(x0))                                          # r₀ = b − A x₀
-    u = precond(r)                                                  # u₀ = M r₀
-    w = matvec(u)                                                   # w₀ = A u₀
-    gamma, delta, rr, bb = map(real, red.dots([(r, u), (w, u), (r, r), (b, b)]))
-    failure = first_reason((~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta), Reason.DIVERGED_NANORINF))
-    rr, b_norm, failure = _agree_start(red, rr, bb, failure, start, probe=(delta, jnp.abs(delta)))
-    threshold, from_atol = stopping_threshold(b_norm, rtol, atol)
-    hist = record(new_history(history, rr.dtype), 0, jnp.sqrt(rr))
-    monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
+    r, u, w, gamma, delta, rr, b_norm, threshold, from_atol, failure, hist = _start_with_Au(
+        matvec, b, x0, precond, rtol, atol, start, red, history, monitor, check_curvature=False)
     m = precond(w)                                                  # m₀ = M w₀
     n = matvec(m)                                                   # n₀ = A m₀
 
