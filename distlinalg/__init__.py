@@ -2,8 +2,9 @@
 
 Import under ``mpiexec -n P python script.py``; every rank runs the same
 program. ``distlinalg.comm`` holds the MPI primitives, ``distlinalg.ad`` the
-helpers for exact gradients of replicated losses, ``distlinalg.solvers`` CG
-and MINRES, ``distlinalg.operators`` the distributed linear operators.
+helpers for exact gradients of replicated losses, ``distlinalg.solvers`` the
+Krylov solvers (CG, MINRES, GMRES, BiCGStab) and the natural gradient,
+``distlinalg.operators`` the distributed linear operators.
 """
 
 from ._version import __version__

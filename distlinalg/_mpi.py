@@ -186,9 +186,13 @@ def configure(
         status 124). ``0`` turns it off (the default; None leaves it as it
         is). Default from ``DISTLINALG_TIMEOUT``. Set the same value on every rank.
 
-    Example::
-
-        distlinalg.comm.configure(check="every-call")   # debugging a hang
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> comm.configure(check="every-call")    # debugging a hang: every call compared
+      >>> comm.allreduce(jnp.ones(2)).tolist() == [comm.size()] * 2
+      True
+      >>> comm.configure(check="first-run")     # back to the default
     """
     if max_count is not None:
         _check_max_count(max_count, "max_count")
@@ -262,6 +266,16 @@ class Communicator:
     Primitives carry it as a parameter; equality and hash are those of the MPI
     handle, so equal communicators hit JAX's compile cache. The mpi4py object
     is kept alive for as long as any reference exists.
+
+    Example:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> from distlinalg import comm
+      >>> jaxpr = jax.make_jaxpr(lambda x: comm.allreduce(x, comm=MPI.COMM_WORLD))(jnp.ones(2))
+      >>> c = [e for e in jaxpr.eqns if e.primitive is comm.allreduce_p][0].params["comm"]
+      >>> isinstance(c, comm.Communicator), c.size == MPI.COMM_WORLD.Get_size()
+      (True, True)
     """
 
     handle: int
@@ -362,7 +376,17 @@ def resolve_comm(comm: Any) -> Communicator:
 # ---------------------------------------------------------------------------
 # Reduction ops
 class ReduceOp(enum.IntEnum):
-    """Reduction operators; values match csrc/mpi_common.h."""
+    """Reduction operators; values match csrc/mpi_common.h.
+
+    Every ``op`` argument also takes them, as it takes ``"sum"`` ... ``"max"``
+    and ``MPI.SUM`` ... ``MPI.MAX``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> comm.allreduce(jnp.ones(2), comm.ReduceOp.MAX).tolist()   # as op="max" or MPI.MAX
+      [1.0, 1.0]
+    """
 
     SUM = 0
     PROD = 1

@@ -95,11 +95,22 @@ class DistributedOperator(lx.AbstractLinearOperator):
     ``transpose()`` is distlinalg's ``.T`` (the matrix transpose on every
     rank, also in the replicated layout).
 
-    Example::
-
-        A = distlinalg.lineax.operator(distlinalg.operators.laplacian_2d(64),
-                                       lineax.positive_semidefinite_tag)
-        sol = lineax.linear_solve(A, my_block_of_b, solver=distlinalg.lineax.CG(rtol=1e-8, atol=0.0))
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import lineax as lx
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg import comm, operators
+      >>> lap = operators.laplacian_2d(4)            # 16 unknowns; grid rows split over the ranks
+      >>> A = dlx.DistributedOperator(lap, lx.positive_semidefinite_tag)
+      >>> A.layout, lx.is_symmetric(A)
+      ('sharded', True)
+      >>> b = jnp.ones(lap.input_structure.shape)     # this rank's block of b
+      >>> sol = lx.linear_solve(A, b, solver=dlx.CG(rtol=1e-6, atol=0.0))
+      >>> bool(dlx.two_norm(A.mv(sol.value) - b) < 1e-4 * dlx.two_norm(b))   # norms over every rank
+      True
+      >>> B = dlx.operator(jnp.array([[1.0, 2.0], [3.0, 4.0]]))   # a replicated matrix
+      >>> B.transpose().as_matrix().tolist()
+      [[1.0, 3.0], [2.0, 4.0]]
     """
 
     operator: LinearOperator
@@ -164,7 +175,17 @@ def _check_no_hidden_tracers(op: LinearOperator) -> None:
 
 
 def operator(A: Any, *tags: Any) -> DistributedOperator:
-    """``DistributedOperator(A, tags)``: a distlinalg operator for lineax."""
+    """``DistributedOperator(A, tags)``: a distlinalg operator for lineax.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import lineax as lx
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg import comm, operators
+      >>> A = dlx.operator(operators.laplacian_2d(4), lx.positive_semidefinite_tag)
+      >>> isinstance(A, dlx.DistributedOperator), lx.is_positive_semidefinite(A)
+      (True, True)
+    """
     return DistributedOperator(A, frozenset(tags))
 
 
@@ -240,6 +261,15 @@ def result_of(reason: Any) -> lx.RESULTS:
     into ``nonfinite_input`` when b is not finite); ``DIVERGED_BREAKDOWN``,
     ``DIVERGED_INCONSISTENT_RANKS`` and anything else → ``breakdown``. The
     exact reason is in ``solution.stats["reason"]``. Traceable.
+
+    Example:
+      >>> import lineax as lx
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg.solvers import Reason
+      >>> bool(dlx.result_of(int(Reason.CONVERGED_RTOL)) == lx.RESULTS.successful)
+      True
+      >>> bool(dlx.result_of(int(Reason.DIVERGED_MAX_IT)) == lx.RESULTS.max_steps_reached)
+      True
     """
     reason = jnp.asarray(reason)
     R = lx.RESULTS
@@ -330,10 +360,24 @@ class CG(_KrylovSolver):
     AD: lineax's rules (forward and reverse mode through ``linear_solve``,
     with the transposed solve on distlinalg's transpose).
 
-    Example::
+    Example:
+      A replicated operator whose matvec communicates: rank r holds a share of S.
 
-        sol = lineax.linear_solve(distlinalg.lineax.operator(A), b,
-                                  solver=distlinalg.lineax.CG(rtol=1e-10, atol=0.0))
+      >>> import jax.numpy as jnp
+      >>> import lineax as lx
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg import comm, operators
+      >>> S = jnp.array([[4.0, 1.0], [1.0, 3.0]])
+      >>> share = S / comm.size()
+      >>> op = operators.LinearOperator(lambda v: comm.allreduce(share @ v), input_structure=jnp.zeros(2),
+      ...                               symmetric=True, hermitian=True)
+      >>> b = jnp.array([1.0, 2.0])
+      >>> sol = lx.linear_solve(dlx.operator(op, lx.positive_semidefinite_tag), b,
+      ...                       solver=dlx.CG(rtol=1e-6, atol=0.0))
+      >>> bool(jnp.allclose(S @ sol.value, b, atol=1e-4)), bool(sol.result == lx.RESULTS.successful)
+      (True, True)
+      >>> int(sol.stats["num_steps"]) <= 2           # identical on every rank
+      True
     """
 
     method: str = eqx.field(static=True, default="standard")
@@ -345,7 +389,20 @@ class CG(_KrylovSolver):
 
 class MINRES(_KrylovSolver):
     """``distlinalg.minres`` as a lineax solver (Hermitian, possibly
-    indefinite A; solves (A − shift I) x = b). Arguments as :class:`CG`."""
+    indefinite A; solves (A − shift I) x = b). Arguments as :class:`CG`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import lineax as lx
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg import comm, operators
+      >>> M = jnp.array([[2.0, 1.0], [1.0, -1.0]])          # symmetric, indefinite
+      >>> op = operators.LinearOperator(lambda M, v: M @ v, data=M, input_structure=jnp.zeros(2),
+      ...                               symmetric=True, hermitian=True)
+      >>> sol = lx.linear_solve(dlx.operator(op), jnp.array([1.0, 0.0]), solver=dlx.MINRES(rtol=1e-6, atol=0.0))
+      >>> bool(jnp.allclose(M @ sol.value, jnp.array([1.0, 0.0]), atol=1e-4))
+      True
+    """
 
     shift: float = 0.0
 
@@ -356,7 +413,19 @@ class MINRES(_KrylovSolver):
 
 class GMRES(_KrylovSolver):
     """``distlinalg.gmres`` as a lineax solver (general square A); `restart`
-    is the Krylov dimension per cycle. Arguments as :class:`CG`."""
+    is the Krylov dimension per cycle. Arguments as :class:`CG`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import lineax as lx
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg import comm, operators
+      >>> M = jnp.array([[3.0, 1.0], [0.0, 2.0]])           # nonsymmetric
+      >>> sol = lx.linear_solve(dlx.operator(M), jnp.array([1.0, 1.0]),
+      ...                       solver=dlx.GMRES(rtol=1e-6, atol=0.0, restart=2))
+      >>> bool(jnp.allclose(M @ sol.value, 1.0, atol=1e-4))
+      True
+    """
 
     restart: int = eqx.field(static=True, default=20)
 
@@ -369,7 +438,18 @@ class GMRES(_KrylovSolver):
 
 class BiCGStab(_KrylovSolver):
     """``distlinalg.bicgstab`` as a lineax solver (general square A).
-    Arguments as :class:`CG`."""
+    Arguments as :class:`CG`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import lineax as lx
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg import comm, operators
+      >>> M = jnp.array([[3.0, 1.0], [0.0, 2.0]])           # nonsymmetric
+      >>> sol = lx.linear_solve(dlx.operator(M), jnp.array([1.0, 1.0]), solver=dlx.BiCGStab(rtol=1e-6, atol=0.0))
+      >>> bool(jnp.allclose(M @ sol.value, 1.0, atol=1e-4))
+      True
+    """
 
     def _solve(self, A: LinearOperator, b: Any, x0: Any, M: Any) -> Any:
         import distlinalg
@@ -397,11 +477,20 @@ class NormalCG(lx.AbstractLinearSolver):
     Not differentiable through lineax's least-squares rules (raises);
     optimistix differentiates its fixed point, not the inner solves.
 
-    Example::
+    Example:
+      A straight line y = a + b t fitted to every rank's points; the unknowns (a, b) are
+      replicated, the rows (residuals) sharded:
 
-        solver = optimistix.GaussNewton(rtol=1e-8, atol=1e-8, norm=distlinalg.lineax.max_norm,
-                                        linear_solver=distlinalg.lineax.NormalCG(rtol=1e-12, atol=1e-14))
-        fit = optimistix.least_squares(my_residuals, solver, theta0)
+      >>> import jax.numpy as jnp
+      >>> import lineax as lx
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg import comm, operators
+      >>> t = jnp.array([0.0, 1.0]) + 2 * comm.rank()          # this rank's points
+      >>> J = jnp.stack([jnp.ones(2), t], axis=1)                # its rows of the design matrix
+      >>> sol = lx.linear_solve(lx.MatrixLinearOperator(J), 1.0 + 0.5 * t,
+      ...                       solver=dlx.NormalCG(rtol=1e-6, atol=0.0))
+      >>> bool(jnp.allclose(sol.value, jnp.array([1.0, 0.5]), atol=1e-3))   # the same on every rank
+      True
     """
 
     rtol: float
@@ -468,11 +557,22 @@ class Ordered(lx.AbstractLinearSolver):
     lineax's own solvers use local inner products: use them on replicated
     operators only.
 
-    Example::
+    Example:
+      lineax's own CG on a plain lineax operator whose matvec calls a collective:
 
-        op = lineax.FunctionLinearOperator(lambda v: allreduce(A_r @ v), x_struct,
-                                           lineax.positive_semidefinite_tag)
-        sol = lineax.linear_solve(op, b, solver=distlinalg.lineax.Ordered(lineax.CG(1e-10, 1e-10)))
+      >>> import jax.numpy as jnp
+      >>> import lineax as lx
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg import comm, operators
+      >>> import jax
+      >>> S = jnp.array([[4.0, 1.0], [1.0, 3.0]])
+      >>> share = S / comm.size()
+      >>> op = lx.FunctionLinearOperator(lambda v: comm.allreduce(share @ v),
+      ...                                jax.ShapeDtypeStruct((2,), jnp.float32), lx.positive_semidefinite_tag)
+      >>> b = jnp.array([1.0, 2.0])
+      >>> sol = lx.linear_solve(op, b, solver=dlx.Ordered(lx.CG(rtol=1e-6, atol=1e-6)))
+      >>> bool(jnp.allclose(S @ sol.value, b, atol=1e-4))
+      True
     """
 
     solver: lx.AbstractLinearSolver
@@ -496,22 +596,46 @@ class Ordered(lx.AbstractLinearSolver):
 # ---------------------------------------------------------------------------
 # optimistix norms over every rank's entries
 def max_norm(tree: Any) -> Any:
-    """max |x_i| over every rank's entries (replicated values count once:
+    """max ``|x_i|`` over every rank's entries (replicated values count once:
     the maximum is the same). For optimistix's ``norm=`` with sharded
-    residuals, so every rank takes the same termination decision."""
+    residuals, so every rank takes the same termination decision.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg import comm
+      >>> x = {"a": jnp.array([1.0, -2.0 - comm.rank()]), "b": jnp.zeros(3)}   # this rank's entries
+      >>> float(dlx.max_norm(x)) == 1.0 + comm.size()
+      True
+    """
     leaves = [jnp.max(jnp.abs(x), initial=0.0) for x in jax.tree_util.tree_leaves(tree)]
     local = jnp.max(jnp.stack(leaves)) if leaves else jnp.zeros(())
     return allreduce(local, "max")
 
 
 def two_norm(tree: Any) -> Any:
-    """‖x‖₂ over every rank's entries of a *sharded* vector (one allreduce)."""
+    """‖x‖₂ over every rank's entries of a *sharded* vector (one allreduce).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg import comm
+      >>> bool(jnp.isclose(dlx.two_norm(jnp.ones(4)), 2 * comm.size() ** 0.5))   # √(4 P)
+      True
+    """
     leaves = [jnp.sum(jnp.abs(x) ** 2) for x in jax.tree_util.tree_leaves(tree)]
     return jnp.sqrt(allreduce(sum(leaves[1:], leaves[0]) if leaves else jnp.zeros(()), "sum"))
 
 
 def rms_norm(tree: Any) -> Any:
-    """Root mean square over every rank's entries of a *sharded* vector."""
+    """Root mean square over every rank's entries of a *sharded* vector.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import distlinalg.lineax as dlx
+      >>> float(dlx.rms_norm(jnp.full(3, 2.0)))
+      2.0
+    """
     leaves = jax.tree_util.tree_leaves(tree)
     count = allreduce(jnp.asarray(float(sum(x.size for x in leaves))), "sum")
     squares = sum(jnp.sum(jnp.abs(x) ** 2) for x in leaves) if leaves else jnp.zeros(())

@@ -123,22 +123,31 @@ def allreduce(x: Any, op: Any, *, comm: Any = None, token: Any = _NOTSET) -> Any
     every element; ``distlinalg.ad.grad`` gives the gradient of the one
     replicated loss (docs/mpi4jax.md).
 
-    Example::
-
-        total = allreduce(jnp.ones(3) * rank, op=MPI.SUM)   # sum(range(size)) each
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> import distlinalg.mpi4jax as mpi4jax
+      >>> rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+      >>> total = mpi4jax.allreduce(jnp.ones(3) * rank, op=MPI.SUM)   # sum(range(size)) each
+      >>> total.tolist() == [size * (size - 1) / 2] * 3
+      True
     """
     _no_token(token, "allreduce")
     return _comm.allreduce(x, op, comm=comm)
 
 
 def allgather(x: Any, *, comm: Any = None, token: Any = _NOTSET) -> Any:
-    """Gather `x` (shape s) from every rank onto every rank: shape (size, *s).
+    """Gather `x` (shape s) from every rank onto every rank: shape ``(size, *s)``.
 
     AD: transpose is a reduce_scatter of the cotangents.
 
-    Example::
-
-        allgather(rank)   # [0, 1, ..., size-1] on every rank
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> import distlinalg.mpi4jax as mpi4jax
+      >>> rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+      >>> mpi4jax.allgather(jnp.asarray(rank)).tolist() == list(range(size))
+      True
     """
     _no_token(token, "allgather")
     return _comm.allgather(x, comm=comm)
@@ -148,16 +157,21 @@ def alltoall(x: Any, *, comm: Any = None, token: Any = _NOTSET) -> Any:
     """Send block ``x[q]`` to rank q; block r of the result came from rank r.
 
     Args:
-      x: array of shape (size, *s).
+      x: array of shape ``(size, *s)``.
 
     Returns:
-      Shape (size, *s). ValueError when the leading axis is not size.
+      Shape ``(size, *s)``. ValueError when the leading axis is not size.
 
     AD: self-adjoint (forward and reverse).
 
-    Example::
-
-        alltoall(jnp.ones((size, 2)) * rank)[q]   # == q
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> import distlinalg.mpi4jax as mpi4jax
+      >>> rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+      >>> y = mpi4jax.alltoall(jnp.ones((size, 2)) * rank)
+      >>> y[:, 0].tolist() == [float(q) for q in range(size)]     # block q came from rank q
+      True
     """
     _no_token(token, "alltoall")
     n = resolve_comm(comm).size
@@ -170,9 +184,9 @@ def alltoall(x: Any, *, comm: Any = None, token: Any = _NOTSET) -> Any:
 def barrier(*, comm: Any = None, token: Any = _NOTSET) -> None:
     """Wait until every rank of `comm` reaches the barrier (ordered with all communication).
 
-    Example::
-
-        barrier()
+    Example:
+      >>> import distlinalg.mpi4jax as mpi4jax
+      >>> mpi4jax.barrier()
     """
     _no_token(token, "barrier")
     _comm.barrier(comm=comm)
@@ -188,23 +202,32 @@ def bcast(x: Any, root: int, *, comm: Any = None, token: Any = _NOTSET) -> Any:
     cotangent onto root. When differentiating, pass the differentiated
     value on every rank (docs/ad.md, templates).
 
-    Example::
-
-        params = bcast(params, root=0)
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> import distlinalg.mpi4jax as mpi4jax
+      >>> rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+      >>> mpi4jax.bcast(jnp.full(2, 10.0 + rank), root=0).tolist()
+      [10.0, 10.0]
     """
     _no_token(token, "bcast")
     return _comm.bcast(x, root=root, comm=comm)
 
 
 def gather(x: Any, root: int, *, comm: Any = None, token: Any = _NOTSET) -> Any:
-    """Gather `x` (shape s) onto root: (size, *s) on root, `x` itself elsewhere.
+    """Gather `x` (shape s) onto root: ``(size, *s)`` on root, `x` itself elsewhere.
 
     AD: the transpose scatters root's cotangent back; on the other ranks the
     output is `x`, so its cotangent goes to `x` directly.
 
-    Example::
-
-        g = gather(x, root=0)   # root: g[r] is rank r's x
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> import distlinalg.mpi4jax as mpi4jax
+      >>> rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+      >>> g = mpi4jax.gather(jnp.full(2, float(rank)), root=0)   # root: g[r] is rank r's x
+      >>> g.shape == ((size, 2) if rank == 0 else (2,))
+      True
     """
     _no_token(token, "gather")
     c = resolve_comm(comm)
@@ -219,9 +242,14 @@ def reduce(x: Any, op: Any, root: int, *, comm: Any = None, token: Any = _NOTSET
     AD: as allreduce restricted to root's output (transpose of SUM:
     broadcast of root's cotangent); on the other ranks the output is `x`.
 
-    Example::
-
-        s = reduce(x, op=MPI.SUM, root=0)   # root: the sum; others: x
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> import distlinalg.mpi4jax as mpi4jax
+      >>> rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+      >>> s = mpi4jax.reduce(jnp.ones(2), op=MPI.SUM, root=0)   # root: the sum; others: x
+      >>> s.tolist() == ([float(size)] * 2 if rank == 0 else [1.0, 1.0])
+      True
     """
     _no_token(token, "reduce")
     c = resolve_comm(comm)
@@ -234,19 +262,23 @@ def scan(x: Any, op: Any, *, comm: Any = None, token: Any = _NOTSET) -> Any:
 
     AD: forward and reverse (the transpose of a SUM scan is a suffix sum).
 
-    Example::
-
-        scan(jnp.ones(2), op=MPI.SUM)   # rank + 1
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> import distlinalg.mpi4jax as mpi4jax
+      >>> rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+      >>> mpi4jax.scan(jnp.ones(2), op=MPI.SUM).tolist() == [rank + 1.0] * 2
+      True
     """
     _no_token(token, "scan")
     return _comm.scan(x, op, comm=comm)
 
 
 def scatter(x: Any, root: int, *, comm: Any = None, token: Any = _NOTSET) -> Any:
-    """Send row r of root's `x` (shape (size, *s)) to rank r.
+    """Send row r of root's `x` (shape ``(size, *s)``) to rank r.
 
     Args:
-      x: on root, shape (size, *s); on the other ranks shape s (a template
+      x: on root, shape ``(size, *s)``; on the other ranks shape s (a template
         whose values are ignored).
 
     Returns:
@@ -255,9 +287,15 @@ def scatter(x: Any, root: int, *, comm: Any = None, token: Any = _NOTSET) -> Any
     AD: forward scatters root's tangent; the transpose gathers the
     cotangents onto root.
 
-    Example::
-
-        mine = scatter(rows if rank == 0 else rows[0], root=0)
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> import distlinalg.mpi4jax as mpi4jax
+      >>> rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+      >>> rows = jnp.arange(2.0 * size).reshape(size, 2)
+      >>> mine = mpi4jax.scatter(rows if rank == 0 else rows[0], root=0)
+      >>> mine.tolist() == rows[rank].tolist()
+      True
     """
     _no_token(token, "scatter")
     c = resolve_comm(comm)
@@ -282,9 +320,20 @@ def send(x: Any, dest: int, *, tag: int = 0, comm: Any = None, token: Any = _NOT
     cotangent comes back from `dest`. The receiving rank must differentiate
     its recv too (template computed from the differentiated inputs).
 
-    Example::
-
-        send(x, dest=1, tag=7)
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> import distlinalg.mpi4jax as mpi4jax
+      >>> rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+      >>> partner = rank + 1 if rank % 2 == 0 else rank - 1       # pairs (0, 1), (2, 3), ...
+      >>> partner = partner if partner < size else MPI.PROC_NULL
+      >>> got = None
+      >>> if rank % 2 == 0:
+      ...     mpi4jax.send(jnp.ones(3) * rank, dest=partner, tag=7)
+      ... else:
+      ...     got = mpi4jax.recv(jnp.zeros(3), source=partner, tag=7)
+      >>> got is None or got.tolist() == [rank - 1.0] * 3
+      True
     """
     _no_token(token, "send")
     _comm.send(x, dest, tag=tag, comm=comm)
@@ -313,10 +362,21 @@ def recv(
     AD: forward and reverse mode; with wildcards the tangent comes from, and
     the cotangent goes back to, the rank and tag that actually sent.
 
-    Example::
-
-        st = MPI.Status()
-        y = recv(jnp.zeros(3), status=st)   # st.Get_source(): who sent it
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> import distlinalg.mpi4jax as mpi4jax
+      >>> rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+      >>> senders = []
+      >>> if rank == 0:                                   # from any rank, any tag (the defaults)
+      ...     for _ in range(size - 1):
+      ...         st = MPI.Status()
+      ...         y = mpi4jax.recv(jnp.zeros(3), status=st)
+      ...         senders.append((st.Get_source(), st.Get_tag(), st.Get_count(MPI.FLOAT)))
+      ... else:
+      ...     mpi4jax.send(jnp.ones(3) * rank, dest=0, tag=rank)
+      >>> sorted(senders) == ([(s, s, 3) for s in range(1, size)] if rank == 0 else [])
+      True
     """
     _no_token(token, "recv")
     _check_status(status, "recv")
@@ -354,9 +414,16 @@ def sendrecv(
     forward raises): tangents travel the same route, cotangents the reversed
     one.
 
-    Example::
-
-        left = sendrecv(x, x, source=(rank - 1) % size, dest=(rank + 1) % size)
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> import distlinalg.mpi4jax as mpi4jax
+      >>> rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+      >>> x = jnp.full(2, float(rank))
+      >>> st = MPI.Status()
+      >>> left = mpi4jax.sendrecv(x, x, source=(rank - 1) % size, dest=(rank + 1) % size, status=st)
+      >>> left.tolist() == [float((rank - 1) % size)] * 2, st.Get_source() == (rank - 1) % size
+      (True, True)
     """
     _no_token(token, "sendrecv")
     _check_status(status, "sendrecv")
@@ -370,10 +437,22 @@ def sendrecv(
 
 
 def has_cuda_support() -> bool:
-    """Whether this build of distlinalg has its CUDA handlers (operations on GPU arrays)."""
+    """Whether this build of distlinalg has its CUDA handlers (operations on GPU arrays).
+
+    Example:
+      >>> import distlinalg.mpi4jax as mpi4jax
+      >>> isinstance(mpi4jax.has_cuda_support(), bool)   # True where the build found cuda.h
+      True
+    """
     return bool(BUILD_INFO["cuda"])
 
 
 def has_sycl_support() -> bool:
-    """Always False: distlinalg has no SYCL (Intel XPU) handlers."""
+    """Always False: distlinalg has no SYCL (Intel XPU) handlers.
+
+    Example:
+      >>> import distlinalg.mpi4jax as mpi4jax
+      >>> mpi4jax.has_sycl_support()
+      False
+    """
     return False

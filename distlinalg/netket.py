@@ -81,18 +81,38 @@ _N_BATCHES = 32
 
 
 def rank(comm: Any = None) -> int:
-    """This process's rank in `comm` (default: distlinalg's communicator)."""
+    """This process's rank in `comm` (default: distlinalg's communicator).
+
+    Example:
+      >>> import distlinalg.netket as dnk
+      >>> from distlinalg import comm
+      >>> dnk.rank() == comm.rank()                     # e.g. driver.run(..., show_progress=dnk.rank() == 0)
+      True
+    """
     return resolve_comm(comm).rank
 
 
 def size(comm: Any = None) -> int:
-    """The number of ranks in `comm` (default: distlinalg's communicator)."""
+    """The number of ranks in `comm` (default: distlinalg's communicator).
+
+    Example:
+      >>> import distlinalg.netket as dnk
+      >>> from distlinalg import comm
+      >>> dnk.size() == comm.size()
+      True
+    """
     return resolve_comm(comm).size
 
 
 # -- statistics -------------------------------------------------------------------------
 class Statistics(NamedTuple):
-    """Fields of ``netket.stats.Stats`` (returned instead when NetKet is not installed)."""
+    """Fields of ``netket.stats.Stats`` (returned instead when NetKet is not installed).
+
+    Example:
+      >>> from distlinalg.netket import Statistics
+      >>> Statistics._fields
+      ('mean', 'error_of_mean', 'variance', 'tau_corr', 'R_hat')
+    """
 
     mean: Any
     error_of_mean: Any
@@ -136,11 +156,13 @@ def statistics(data: Any, *, comm: Any = None) -> Any:
     differentiable in `data` (through the collectives' AD rules), though
     only ``mean`` usually has a useful derivative.
 
-    Example::
-
-        e_loc = vstate.local_estimators(H).data          # (n_chains, chain_length)
-        E = distlinalg.netket.statistics(e_loc)          # same on every rank
-        print(E.mean, E.error_of_mean, E.tau_corr, E.R_hat)
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import distlinalg.netket as dnk
+      >>> data = jnp.tile(jnp.arange(64.0), (4, 1))     # this rank's 4 chains of 64 steps
+      >>> stats = dnk.statistics(data)                  # over every rank's chains
+      >>> float(stats.mean), float(stats.variance)
+      (31.5, 341.25)
     """
     c = resolve_comm(comm)
     data = jnp.asarray(data)
@@ -270,14 +292,24 @@ class SR:
     differentiated; :func:`distlinalg.natural_gradient`, which it wraps, is
     differentiable (meta-gradients: see ``examples/sharded_sr``).
 
-    Example::
-
-        import netket as nk, distlinalg.netket as dnk
-        vstate = dnk.MCState(nk.sampler.MetropolisLocal(hi, n_chains=16), nk.models.RBM(),
-                             n_samples=1024, seed=0)
-        driver = nk.driver.VMC(H, nk.optimizer.Sgd(0.05), variational_state=vstate,
-                               preconditioner=dnk.SR(diag_shift=0.01))
-        driver.run(300, show_progress=dnk.rank() == 0)
+    Example:
+      >>> import jax
+      >>> jax.config.update("jax_enable_x64", True)      # as `import netket` does
+      >>> import netket as nk
+      >>> import distlinalg.netket as dnk
+      >>> from distlinalg import comm
+      >>> hi = nk.hilbert.Spin(0.5, N=4)                  # a 4-site transverse-field Ising chain
+      >>> H = nk.operator.Ising(hi, nk.graph.Chain(4), h=1.0)
+      >>> vstate = dnk.MCState(nk.sampler.MetropolisLocal(hi, n_chains=4), nk.models.RBM(alpha=1),
+      ...                      n_samples_per_rank=32, seed=0)
+      >>> sr = dnk.SR(diag_shift=0.01)
+      >>> driver = nk.driver.VMC(H, nk.optimizer.Sgd(0.05), variational_state=vstate, preconditioner=sr)
+      >>> log = driver.run(3, out=(), show_progress=False)
+      >>> bool(sr.info.converged)                          # the last solve, the same on every rank
+      True
+      >>> w = jax.tree_util.tree_leaves(vstate.parameters)
+      >>> all(bool((comm.allreduce(x, "max") == comm.allreduce(x, "min")).all()) for x in w)
+      True
     """
 
     def __init__(self, diag_shift: Any = 0.01, *, space: str = "auto", solver: str = "cg",
@@ -505,11 +537,22 @@ _MCSTATE_DOC = """``nk.vqs.MCState`` whose estimates cover the samples of all MP
     non-Hermitian gradients (these raise). The force's VJP runs on all local
     samples at once (``chunk_size`` applies to the local energies only).
 
-    Example::
-
-        vstate = distlinalg.netket.MCState(nk.sampler.MetropolisLocal(hi, n_chains=16),
-                                           nk.models.RBM(alpha=1), n_samples=1024, seed=0)
-        E = vstate.expect(H)        # mean and error bar over all ranks' chains
+    Example:
+      >>> import jax
+      >>> jax.config.update("jax_enable_x64", True)      # as `import netket` does
+      >>> import netket as nk
+      >>> import distlinalg.netket as dnk
+      >>> from distlinalg import comm
+      >>> hi = nk.hilbert.Spin(0.5, N=4)                  # a 4-site transverse-field Ising chain
+      >>> H = nk.operator.Ising(hi, nk.graph.Chain(4), h=1.0)
+      >>> vstate = dnk.MCState(nk.sampler.MetropolisLocal(hi, n_chains=4), nk.models.RBM(alpha=1),
+      ...                      n_samples=64 * dnk.size(), seed=0)
+      >>> vstate.n_samples == 64 * dnk.size(), vstate.n_samples_per_rank
+      (True, 64)
+      >>> E = vstate.expect(H)              # mean and error bar over all ranks' chains
+      >>> e = E.mean.real
+      >>> bool(comm.allreduce(e, "max") == comm.allreduce(e, "min"))   # identical on every rank
+      True
 """
 
 

@@ -273,6 +273,14 @@ def check_grads(
 
     Directions are drawn from a generator seeded with the rank, so a check is
     reproducible and every rank's direction differs.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import ad, comm
+      >>> def f(x):
+      ...     return comm.allreduce(jnp.sin(x)) * x       # a collective inside
+      >>> x = jnp.linspace(0.1, 1.0, 4) + comm.rank()     # every rank its own input
+      >>> ad.check_grads(f, (x,), order=2)                # passes (raises on every rank if not)
     """
     communicator = resolve_comm(comm)
     mode_tuple = (modes,) if isinstance(modes, str) else tuple(modes)

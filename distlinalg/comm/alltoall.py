@@ -45,13 +45,13 @@ def alltoall(x: Any, *, comm: Any = None) -> Any:
     """Exchange one block with every rank (MPI_Alltoall).
 
     Args:
-      x: array or pytree of arrays of shape (size, *s), the same shapes and
+      x: array or pytree of arrays of shape ``(size, *s)``, the same shapes and
         dtypes on every rank; block ``x[q]`` goes to rank q.
       comm: an mpi4py intracommunicator; default: distlinalg's private
         duplicate of ``MPI.COMM_WORLD``.
 
     Returns:
-      Shape (size, *s), dtype of `x`: block r is what rank r sent to this
+      Shape ``(size, *s)``, dtype of `x`: block r is what rank r sent to this
       rank (rank r's ``x[rank]``).
 
     Raises (at trace time, on every rank): ValueError when the leading
@@ -60,6 +60,14 @@ def alltoall(x: Any, *, comm: Any = None) -> Any:
 
     AD: self-adjoint; forward mode exchanges the tangents, the transpose
     exchanges the cotangents back. vmap sends the whole batch in one message.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> n, r = comm.size(), comm.rank()
+      >>> x = jnp.array([[r, q] for q in range(n)])     # block q goes to rank q
+      >>> comm.alltoall(x).tolist() == [[s, r] for s in range(n)]   # block s came from rank s
+      True
     """
     comm = resolve_comm(comm)
 

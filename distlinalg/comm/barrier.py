@@ -31,5 +31,16 @@ def barrier(*, comm: Any = None) -> None:
     Returns:
       None. Inside jit the barrier runs where it stands in the program,
       between the operations before and after it.
+
+    Example:
+      >>> import jax
+      >>> from distlinalg import comm
+      >>> comm.barrier()                  # returns once every rank has called it
+      >>> @jax.jit
+      ... def step(x):
+      ...     comm.barrier()              # between the operations before and after it
+      ...     return comm.allreduce(x)
+      >>> int(step(1)) == comm.size()
+      True
     """
     _core.bind(barrier_p, comm=resolve_comm(comm))

@@ -57,10 +57,20 @@ def gather(x: Any, *, root: int = 0, comm: Any = None) -> Any:
       comm: mpi4py intracommunicator (default distlinalg's).
 
     Returns:
-      Shape (size, *s): on root, row r is rank r's x; zeros on other ranks.
+      Shape ``(size, *s)``: on root, row r is rank r's x; zeros on other ranks.
 
     AD: forward mode gathers the tangents; the transpose scatters root's
     cotangent rows back to their ranks.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> g = comm.gather(jnp.array([comm.rank(), 10 * comm.rank()]), root=0)
+      >>> g.shape == (comm.size(), 2)
+      True
+      >>> rows = [[r, 10 * r] for r in range(comm.size())]
+      >>> g.tolist() == (rows if comm.rank() == 0 else [[0, 0]] * comm.size())
+      True
     """
     comm = resolve_comm(comm)
     root = check_rank(root, comm, "root", "gather")

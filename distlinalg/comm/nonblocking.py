@@ -259,6 +259,19 @@ class Request:
     A pytree whose leaves are zero-byte markers (one per leaf of the
     operand), so it passes through ``jax.vmap`` and loop bodies like any
     value; it holds no data of its own.
+
+    Example:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> request = comm.iallreduce({"a": jnp.ones(2), "b": jnp.zeros((3, 2))})
+      >>> isinstance(request, comm.Request)
+      True
+      >>> [leaf.shape for leaf in jax.tree_util.tree_leaves(request)]   # markers: no data
+      [(2, 0), (3, 2, 0)]
+      >>> out = comm.wait(request)
+      >>> out["a"].tolist() == [comm.size()] * 2, out["b"].shape
+      (True, (3, 2))
     """
 
     def __init__(self, markers: tuple, start: str, keys: tuple, treedef: Any, comm: Communicator):
@@ -327,11 +340,18 @@ def iallreduce(x: Any, op: Any = "sum", *, comm: Any = None) -> Request:
     vmap: one message for the batch. Every rank must start and wait in the
     same order as its peers (as for every collective).
 
-    Example::
-
-        request = dl.comm.iallreduce(jnp.vdot(r, r))   # starts the reduction
-        w = A @ p                                      # runs meanwhile
-        rr = dl.comm.wait(request)                     # Σ_ranks r·r
+    Example:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> @jax.jit
+      ... def step(r, A, p):
+      ...     request = comm.iallreduce(jnp.vdot(r, r))   # starts the reduction
+      ...     w = A @ p                                    # may run meanwhile
+      ...     return comm.wait(request), w                 # Σ_ranks r·r
+      >>> rr, w = step(jnp.ones(4), 2 * jnp.eye(4), jnp.ones(4))
+      >>> int(rr) == 4 * comm.size(), w.tolist()
+      (True, [2.0, 2.0, 2.0, 2.0])
     """
     comm = resolve_comm(comm)
     return _start_all("iallreduce", x, comm, op=resolve_op(op))
@@ -346,17 +366,19 @@ def iallgather(x: Any, *, comm: Any = None) -> Request:
 
     Returns:
       A :class:`Request`; ``wait(request)`` is ``allgather(x)``: shape
-      (size, *s), row r from rank r, identical on every rank.
+      ``(size, *s)``, row r from rank r, identical on every rank.
 
     AD: forward and reverse mode (the adjoint is a sum reduce-scatter of
     the cotangent, started where the wait is transposed). vmap: the batch
     lands behind the rank axis, as for ``allgather``.
 
-    Example::
-
-        request = dl.comm.iallgather(local_rows)
-        interior = compute_interior()
-        every_rank_rows = dl.comm.wait(request)        # (size, *local_rows.shape)
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> request = comm.iallgather(jnp.array([comm.rank(), -comm.rank()]))
+      >>> interior = jnp.ones(3) * 2                  # computed while the message travels
+      >>> comm.wait(request).tolist() == [[r, -r] for r in range(comm.size())]
+      True
     """
     comm = resolve_comm(comm)
     return _start_all("iallgather", x, comm)
@@ -376,6 +398,13 @@ def wait(request: Request) -> Any:
     Waiting blocks until this rank's part of the operation is done. Inside a
     traced function, wait in the same function that started the request.
     Waiting twice for one request is an error.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> request = comm.iallreduce(jnp.ones(2))
+      >>> comm.wait(request).tolist() == [comm.size()] * 2
+      True
     """
     if not isinstance(request, Request):
         raise TypeError(

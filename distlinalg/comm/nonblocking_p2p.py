@@ -335,13 +335,21 @@ def isend(x: Any, dest: int, *, tag: int = 0, comm: Any = None) -> nb.Request:
     follows the message, the cotangent comes back from `dest`). vmap: the
     batch goes as one message.
 
-    Example (mpi4torch's ring; the gradient of the summed result is 2)::
+    Example:
+      mpi4torch's ring: each rank sends ``a`` to the right and adds what it receives from
+      the left; the gradient is 2 everywhere, with no dependency wiring.
 
-        right, left = (rank + 1) % size, (rank - 1) % size
-        sent = dl.comm.isend(a, right)
-        b = dl.comm.wait(dl.comm.irecv(a, left))    # template a: shape, dtype, AD
-        dl.comm.wait(sent)
-        loss = dl.comm.allreduce(jnp.sum(a + b))
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> right, left = (comm.rank() + 1) % comm.size(), (comm.rank() - 1) % comm.size()
+      >>> def ring(a):
+      ...     sent = comm.isend(a, right)
+      ...     b = comm.wait(comm.irecv(a, left))    # template a: shape, dtype and AD
+      ...     comm.wait(sent)
+      ...     return jnp.sum(a + b)
+      >>> jax.jit(jax.grad(ring))(jnp.ones(3)).tolist()
+      [2.0, 2.0, 2.0]
     """
     comm = resolve_comm(comm)
     dest = check_rank(dest, comm, "dest", "isend", allow_proc_null=True)
@@ -369,11 +377,21 @@ def irecv(template: Any, source: int, *, tag: int = 0, comm: Any = None) -> nb.R
     when `template` depends on the differentiated inputs (JAX's rule); if its
     sender differentiates, it must be (module docstring). vmap: as isend.
 
-    Example::
+    Example:
+      A halo exchange down a chain of ranks, with work in between:
 
-        request = dl.comm.irecv(jnp.zeros(n), source=0)
-        interior = compute_interior()
-        halo = dl.comm.wait(request)
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> r, n = comm.rank(), comm.size()
+      >>> up = r - 1 if r > 0 else comm.PROC_NULL
+      >>> down = r + 1 if r < n - 1 else comm.PROC_NULL
+      >>> request = comm.irecv(jnp.zeros(4), source=up)     # the last row of the block above
+      >>> sent = comm.isend(jnp.full(4, float(r)), dest=down)
+      >>> interior = 2 * jnp.ones(4)                        # computed meanwhile
+      >>> halo = comm.wait(request)
+      >>> comm.wait(sent)
+      >>> halo.tolist() == [float(r - 1) if r > 0 else 0.0] * 4   # rank 0: the template
+      True
     """
     comm = resolve_comm(comm)
     source = check_rank(source, comm, "source", "irecv", allow_proc_null=True)

@@ -169,10 +169,20 @@ def overlap(requests: Request | Sequence[Request], fn: Callable[..., Any], *args
     `fn`'s backward pass runs while the adjoint messages are under way).
     vmap: as the operations and `fn`.
 
-    Example (the heart of a pipelined CG)::
+    Example:
+      The heart of a pipelined CG: two inner products travel while ``A @ w`` is computed.
 
-        request = dl.comm.iallreduce(jnp.stack([jnp.vdot(r, r), jnp.vdot(w, r)]))
-        (dots, q) = dl.comm.overlap(request, lambda w: A @ w, w)
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> A = 2 * jnp.eye(4)
+      >>> @jax.jit
+      ... def step(r, w):
+      ...     request = comm.iallreduce(jnp.stack([jnp.vdot(r, r), jnp.vdot(w, r)]))
+      ...     return comm.overlap(request, lambda w: A @ w, w)   # A @ w between start and wait
+      >>> dots, q = step(jnp.ones(4), jnp.ones(4))
+      >>> dots.tolist() == [4.0 * comm.size()] * 2, q.tolist()
+      (True, [2.0, 2.0, 2.0, 2.0])
     """
     single = isinstance(requests, Request)
     listed = [requests] if single else list(requests)

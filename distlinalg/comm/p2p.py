@@ -366,6 +366,14 @@ class Status(NamedTuple):
         all leaves of a pytree); 0 from ``PROC_NULL``; -1 beyond 2**31 - 1.
         A message may be shorter than the template, whose tail then keeps the
         template's values.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> x = jnp.zeros(4)
+      >>> y, st = comm.recv(x, comm.PROC_NULL, return_status=True)
+      >>> int(st.source) == comm.PROC_NULL, int(st.tag) == comm.ANY_TAG, int(st.count)
+      (True, True, 0)
     """
 
     source: Any
@@ -631,12 +639,23 @@ def sendrecv(
     (every rank must batch the exchange the same way); the status is
     unbatched and counts the elements of one lane.
 
-    Example::
-
-        right, left = (rank + 1) % size, (rank - 1) % size
-        halo = sendrecv(x[-1], x[0], source=left, dest=right)       # periodic shift
-        y, st = sendrecv(x, x, source=MPI.ANY_SOURCE, dest=right, return_status=True)
-        # st.source == left
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> r, n = comm.rank(), comm.size()
+      >>> right, left = (r + 1) % n, (r - 1) % n
+      >>> x = jnp.full(2, float(r))
+      >>> y = comm.sendrecv(x, x, source=left, dest=right)      # periodic shift to the right
+      >>> bool((y == left).all())
+      True
+      >>> y, st = comm.sendrecv(x, x, source=comm.ANY_SOURCE, dest=right, return_status=True)
+      >>> int(st.source) == left, int(st.count)
+      (True, 2)
+      >>> up = left if r > 0 else comm.PROC_NULL                # a chain: its ends talk to PROC_NULL
+      >>> down = right if r < n - 1 else comm.PROC_NULL
+      >>> y = comm.sendrecv(x, jnp.full(2, -1.0), source=up, dest=down)
+      >>> bool((y == (r - 1 if r > 0 else -1.0)).all())         # rank 0 keeps its template
+      True
     """
     comm = resolve_comm(comm)
     source = _check_source(source, comm, "sendrecv")
@@ -689,6 +708,20 @@ def send(x: Any, dest: int, *, tag: int = 0, comm: Any = None) -> None:
     back from `dest`. The receiving rank must differentiate its ``recv`` too
     (its template must depend on the differentiated inputs); otherwise its
     receive fails with "Message truncated" (module docstring).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> r, n = comm.rank(), comm.size()
+      >>> partner = r + 1 if r % 2 == 0 else r - 1               # pairs (0, 1), (2, 3), ...
+      >>> partner = partner if partner < n else comm.PROC_NULL   # a rank left over sends nowhere
+      >>> got = None
+      >>> if r % 2 == 0:
+      ...     comm.send(jnp.arange(3.0) * (r + 1), dest=partner, tag=7)
+      ... else:
+      ...     got = comm.recv(jnp.zeros(3), source=partner, tag=7)
+      >>> got is None or got.tolist() == (jnp.arange(3.0) * r).tolist()
+      True
     """
     comm = resolve_comm(comm)
     dest = check_rank(dest, comm, "dest", "send", allow_proc_null=True)
@@ -737,14 +770,22 @@ def recv(
     (no forward pass) raises. vmap: one message carries the batch; the
     status counts the elements of one lane.
 
-    Example::
-
-        if rank == 0:
-            for _ in range(size - 1):   # in arrival order
-                x, st = recv(jnp.zeros(3), MPI.ANY_SOURCE, tag=MPI.ANY_TAG, return_status=True)
-                # st.source, st.tag: who sent it, with which tag; st.count == 3
-        else:
-            send(jnp.ones(3) * rank, 0, tag=rank)
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> template = jnp.full(3, -1.0)
+      >>> comm.recv(template, comm.PROC_NULL).tolist()       # nothing arrives: the template
+      [-1.0, -1.0, -1.0]
+      >>> r, n = comm.rank(), comm.size()
+      >>> senders = []
+      >>> if r == 0:                                          # rank 0 hears from every other rank
+      ...     for _ in range(n - 1):                          # in arrival order
+      ...         y, st = comm.recv(jnp.zeros(3), comm.ANY_SOURCE, tag=comm.ANY_TAG, return_status=True)
+      ...         senders.append((int(st.source), int(st.tag), int(st.count)))
+      ... else:
+      ...     comm.send(jnp.ones(3) * r, dest=0, tag=r)
+      >>> sorted(senders) == ([(s, s, 3) for s in range(1, n)] if r == 0 else [])
+      True
     """
     comm = resolve_comm(comm)
     source = _check_source(source, comm, "recv")

@@ -71,6 +71,15 @@ def reduce(x: Any, op: Any, *, root: int = 0, comm: Any = None) -> Any:
 
     AD: as allreduce, restricted to root's output: the sum's transpose
     broadcasts root's cotangent; non-root outputs carry no cotangent.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> n = comm.size()
+      >>> y = comm.reduce(jnp.ones(2) * (comm.rank() + 1), "sum", root=0)
+      >>> expected = n * (n + 1) / 2 if comm.rank() == 0 else 0.0   # 1 + 2 + ... + n on root
+      >>> bool((y == expected).all())
+      True
     """
     comm = resolve_comm(comm)
     op = resolve_op(op)

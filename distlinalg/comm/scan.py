@@ -242,8 +242,16 @@ def scan(x: Any, op: Any = "sum", *, comm: Any = None) -> Any:
     transpose is the exact suffix sum of the cotangents over ranks s..P-1);
     prod is zero-safe; min/max share the tangent equally among ties, as
     ``jnp.max(stack[:r+1], axis=0)``. The derivative rules communicate by
-    recursive doubling over sendrecv (O(|x| log P) per rank, no gather).
+    recursive doubling over sendrecv (``O(|x| log P)`` per rank, no gather).
     vmap: one message carries the batch.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> bool((comm.scan(jnp.ones(2)) == comm.rank() + 1).all())      # 1 + ... + 1, r + 1 times
+      True
+      >>> int(comm.scan(jnp.asarray(comm.rank()), "max")) == comm.rank()
+      True
     """
     return _api(x, op, comm, exclusive=False)
 
@@ -259,5 +267,14 @@ def exscan(x: Any, op: Any = "sum", *, comm: Any = None) -> Any:
     AD as :func:`scan`: rank 0's output is a constant (zero tangent, its
     cotangent is dropped); the transpose of the sum is the exclusive suffix
     sum x̄_s = Σ_{r>s} ȳ_r.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> bool((comm.exscan(jnp.ones(2)) == comm.rank()).all())   # rank 0: the identity 0
+      True
+      >>> m = comm.exscan(jnp.asarray(float(comm.rank())), "max")  # rank 0: -inf
+      >>> float(m) == (comm.rank() - 1 if comm.rank() > 0 else float("-inf"))
+      True
     """
     return _api(x, op, comm, exclusive=True)

@@ -51,7 +51,7 @@ def scatter(x: Any, *, root: int = 0, comm: Any = None) -> Any:
     """Send row r of root's `x` to rank r.
 
     Args:
-      x: array or pytree of shape (size, *s). On root, the data; elsewhere a
+      x: array or pytree of shape ``(size, *s)``. On root, the data; elsewhere a
         shape/dtype template (pass the same traced value when differentiating).
       root: the sending rank (a static int).
       comm: mpi4py intracommunicator (default distlinalg's).
@@ -61,6 +61,15 @@ def scatter(x: Any, *, root: int = 0, comm: Any = None) -> Any:
 
     AD: forward mode scatters root's tangent; the transpose gathers the
     cotangents onto root (zeros on other ranks).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> n = comm.size()
+      >>> rows = jnp.arange(2.0 * n).reshape(n, 2)          # root's data
+      >>> x = rows if comm.rank() == 0 else jnp.zeros((n, 2))   # elsewhere a template
+      >>> comm.scatter(x, root=0).tolist() == rows[comm.rank()].tolist()
+      True
     """
     comm = resolve_comm(comm)
     root = check_rank(root, comm, "root", "scatter")
