@@ -460,6 +460,8 @@ def _check_dtype(dtype: np.dtype, opname: str, op: ReduceOp | None) -> None:
 
 def check_rank(value: Any, comm: Communicator, what: str, opname: str, *, allow_proc_null: bool = False) -> int:
     """A root/source/dest argument: a Python int in range (or PROC_NULL)."""
+    if type(value) is int and 0 <= value < comm.size:  # the common case, first (eager calls)
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(
             f"distlinalg.{opname}: {what} must be a static Python int (rank), got "
@@ -485,6 +487,9 @@ ADJOINT_TAG_FLAG = 0x2000
 
 
 def check_tag(value: Any, what: str, opname: str) -> int:
+    """A user tag: a Python int in [0, USER_TAG_LIMIT)."""
+    if type(value) is int and 0 <= value < USER_TAG_LIMIT:  # the common case, first (eager calls)
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"distlinalg.{opname}: {what} must be a Python int, got {type(value).__name__}")
     value = int(value)

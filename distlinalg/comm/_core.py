@@ -49,6 +49,12 @@ _compat.register_ordered_effect(MPIEffect)
 # side effect so XLA never drops it.
 _eager_twins: dict[Primitive, Primitive] = {}
 _eager_lock = threading.RLock()
+# The compiled program of an eager call, found with one dict lookup (the
+# eager path's own cost is ~2x an MPI message of a few KiB; issue 18):
+# (twin, *parameters) in `eager_impl`; (primitive, communicator, dtype,
+# *parameters) in `apply_collective`, whose dtype checks ran when the entry
+# was made.
+_eager_programs: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
 
 def new_primitive(name: str, *, multiple_results: bool = False) -> Primitive:
@@ -62,19 +68,31 @@ def new_primitive(name: str, *, multiple_results: bool = False) -> Primitive:
     _eager_twins[prim] = twin
 
     def eager_impl(*args: Any, **params: Any) -> Any:
-        # One eager operation at a time per process, run to completion: two
-        # Python threads calling operations at once would otherwise hand
-        # their collectives to MPI in an order that differs between ranks.
-        with _eager_lock:
-            outs = compiled_call(twin, args, params)
-            for out in outs:  # (not jax.block_until_ready: its pytree walk costs µs here)
-                out.block_until_ready()
+        key = (twin, *params.items())  # a call site passes its parameters in one order
+        program = _eager_programs.get(key)
+        if program is None:
+            program = _eager_programs[key] = _compiled(twin, tuple(sorted(params.items())))
+        outs = run_eager(program, args)
         if not multiple_results:
             return outs[0]
         return outs[:-1] if _has_dummy_result(prim) else outs
 
     prim.def_impl(eager_impl)
     return prim
+
+
+def run_eager(program: Callable[..., Any], args: Sequence[Any]) -> Any:
+    """Run an eager operation's compiled `program` on `args` to completion.
+
+    One eager operation at a time per process: two Python threads calling
+    operations at once would otherwise hand their collectives to MPI in an
+    order that differs between ranks.
+    """
+    with _eager_lock:
+        outs = program(*args)
+        for out in outs:  # (not jax.block_until_ready: its pytree walk costs µs here)
+            out.block_until_ready()
+    return outs
 
 
 @functools.lru_cache(maxsize=None)
@@ -316,7 +334,17 @@ def apply_collective(
     """
     if op is not None:
         params["op"] = op
-    if isinstance(x, jax.Array):  # the common eager case, without the pytree walk
+    if isinstance(x, jax.Array) and _compat.at_top_level():
+        # The common eager case: one array, no pytree walk, checked once.
+        key = (prim, comm, x.dtype, *params.items())
+        program = _eager_programs.get(key)
+        if program is None:
+            _mpi.check_dtype(x.dtype, opname, op)
+            program = _eager_programs[key] = _compiled(_eager_twins[prim], tuple(sorted({**params, "comm": comm}.items())))
+        if one_block_per_rank:
+            check_leading_dim(x, comm, opname)
+        return run_eager(program, (x,))[0]
+    if isinstance(x, jax.Array):
         leaves, treedef = [x], None
     else:
         leaves, treedef = jax.tree_util.tree_flatten(x)

@@ -83,6 +83,7 @@ from .._mpi import (
     ADJOINT_TAG_FLAG,
     PROC_NULL,
     TANGENT_TAG_FLAG,
+    USER_TAG_LIMIT,
     check_dtype,
     check_rank,
     check_tag,
@@ -551,6 +552,8 @@ batching.primitive_batchers[flagged_status_p] = _flagged_status_batch
 
 
 def _check_source(source, comm, opname):
+    if type(source) is int and 0 <= source < comm.size:  # the common case, first (eager calls)
+        return source
     if isinstance(source, (int, np.integer)) and not isinstance(source, (bool, np.bool_)) \
             and int(source) == ANY_SOURCE:
         return ANY_SOURCE
@@ -558,6 +561,8 @@ def _check_source(source, comm, opname):
 
 
 def _check_recvtag(tag, what, opname):
+    if type(tag) is int and 0 <= tag < USER_TAG_LIMIT:  # the common case, first (eager calls)
+        return tag
     if isinstance(tag, (int, np.integer)) and not isinstance(tag, (bool, np.bool_)) and int(tag) == ANY_TAG:
         return ANY_TAG
     return check_tag(tag, what, opname)
@@ -662,6 +667,13 @@ def sendrecv(
     dest = check_rank(dest, comm, "dest", "sendrecv", allow_proc_null=True)
     sendtag = check_tag(sendtag, "sendtag", "sendrecv")
     recvtag = _check_recvtag(recvtag, "recvtag", "sendrecv")
+    if (isinstance(sendbuf, jax.Array) and isinstance(recv_template, jax.Array) and not return_status
+            and source != ANY_SOURCE and recvtag != ANY_TAG):
+        # One array each way (the common eager halo exchange): no pytree walks.
+        check_dtype(sendbuf.dtype, "sendrecv")
+        check_dtype(recv_template.dtype, "sendrecv")
+        return _core.bind(sendrecv_p, sendbuf, recv_template, comm=comm, source=source, dest=dest,
+                          sendtag=sendtag, recvtag=recvtag)
     send_tree = jax.tree_util.tree_structure(sendbuf)
     recv_tree = jax.tree_util.tree_structure(recv_template)
     if send_tree != recv_tree:
