@@ -38,8 +38,10 @@ from . import _common as C
 from ._vectors import as_coefficient, axpy, scalar_dtype, sub
 from ._common import Reason, SolverInfo
 from ._driver import krylov_solve
+from ._eager import compiled_when_eager
 
 
+@compiled_when_eager
 def bicgstab(
     A: Any,
     b: Any,

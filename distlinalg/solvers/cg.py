@@ -36,11 +36,13 @@ from . import _arguments
 from ._common import Reason, Reductions, SolverInfo, finish_reason, first_reason, mark_inconsistent
 from ._common import inconsistent, monitor_print, new_history, record, stopping_threshold
 from ._driver import krylov_solve
+from ._eager import compiled_when_eager
 from ._vectors import axpy, sub, xpby, zeros_like
 
 METHODS = ("standard", "single_reduction", "pipelined")
 
 
+@compiled_when_eager
 def cg(
     A: Any,
     b: Any,

@@ -41,10 +41,12 @@ from . import _common as C
 from ._vectors import as_coefficient, local_vdot, scalar_dtype, scale, sub
 from ._common import Reason, SolverInfo
 from ._driver import krylov_solve
+from ._eager import compiled_when_eager
 
 METHODS = ("batched", "incremental")
 
 
+@compiled_when_eager
 def gmres(
     A: Any,
     b: Any,

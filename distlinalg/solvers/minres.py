@@ -31,9 +31,11 @@ from . import _arguments
 from ._common import Reason, Reductions, SolverInfo, finish_reason, first_reason, inconsistent
 from ._common import mark_inconsistent, monitor_print, new_history, record, stopping_threshold
 from ._driver import krylov_solve
+from ._eager import compiled_when_eager
 from ._vectors import as_coefficient, axpy, scale, sub, zeros_like
 
 
+@compiled_when_eager
 def minres(
     A: Any,
     b: Any,
