@@ -214,10 +214,16 @@ def run_benchmarks(args, res: dict, save) -> dict:
             # bench_krylov's own stencil as the comparison row. Iterations to rtol do not depend on the rank count: one solve to convergence on
             # 1 rank (quick) or on 1 and 2 ranks (full); the budget runs give ms/iteration.
             converge = ["--converge"] if nprocs == 1 or (nprocs == 2 and not q) else []
+            # gmres and bicgstab with their jax.scipy peers on 1 and 2 ranks (the targets' runs; about
+            # 2 minutes per run at n = 1000, mostly jax.scipy's gmres), not on 4 (oversubscribed). --converge
+            # leaves GMRES out (bench_krylov.py: ~20x cg's matvecs to rtol).
+            nonsymmetric = ["distlinalg-gmres", "distlinalg-bicgstab", "jax-scipy-gmres",
+                            "jax-scipy-bicgstab"] if nprocs <= 2 else []
             kr[str(nprocs)] = project.run(
                 nprocs, "bench_krylov.py",
                 ["--contenders", "distlinalg-cg", "distlinalg-cg-sr", "distlinalg-minres", "distlinalg-cg-local",
-                 "jax-scipy-cg", "scipy-cg", *base, *converge], out / f"krylov_n{nprocs}.json", timeout=1800)
+                 "jax-scipy-cg", "scipy-cg", *nonsymmetric, *base, *converge], out / f"krylov_n{nprocs}.json",
+                timeout=1800)
             if peer_status["petsc"][0] and peer_runner:
                 kr[f"{nprocs}-petsc"] = peer_runner.run(
                     nprocs, "bench_krylov.py", ["--contenders", "petsc-cg", "petsc-minres", "jax-scipy-cg", *base],
