@@ -163,6 +163,16 @@ def cg(
     return krylov_solve(iterate, p.matvec, p.b, p, history=history)
 
 
+def _unless(plain: bool, v: Any) -> Any:
+    """A loop slot that an unpreconditioned solve does not carry (None: it equals another slot)."""
+    return None if plain else v
+
+
+def _or(v: Any, same: Any) -> Any:
+    """The slot's value, or the slot it equals in an unpreconditioned solve."""
+    return same if v is None else v
+
+
 def _converged(rr: Any, threshold: Any) -> Any:
     """‖r‖ ≤ max(rtol ‖b‖, atol), from the agreed ‖r‖²."""
     return jnp.sqrt(rr) <= threshold
@@ -292,7 +302,11 @@ def _start_with_Au(matvec, b, x0, precond, rtol, atol, start, red: Reductions, h
     r = sub(b, matvec(x0))                                          # r₀ = b − A x₀
     u = precond(r)                                                  # u₀ = M r₀
     w = matvec(u)                                                   # w₀ = A u₀
-    gamma, delta, rr, bb = map(real, red.dots([(r, u), (u, w), (r, r), (b, b)]))
+    if precond is _arguments.identity:                                         # γ₀ = ρ₀ (u₀ = r₀)
+        delta, rr, bb = map(real, red.dots([(u, w), (r, r), (b, b)]))
+        gamma = rr
+    else:
+        gamma, delta, rr, bb = map(real, red.dots([(r, u), (u, w), (r, r), (b, b)]))
     curvature = [(delta < 0, Reason.DIVERGED_INDEFINITE_MAT), (delta == 0, Reason.DIVERGED_BREAKDOWN)]
     failure = first_reason((~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta), Reason.DIVERGED_NANORINF),
                            *(curvature if check_curvature else []))
@@ -310,19 +324,24 @@ def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, start, red: R
         matvec, b, x0, precond, rtol, atol, start, red, history, monitor, check_curvature=True)
     # Already converged at x₀: a vanishing curvature is harmless then.
     curvature_only = (failure == Reason.DIVERGED_INDEFINITE_MAT) | (failure == Reason.DIVERGED_BREAKDOWN)
+    plain = precond is _arguments.identity  # u = r: not carried twice (XLA would copy one slot per iteration)
     failure = jnp.where(curvature_only & _converged(rr, threshold), Reason.ITERATING, failure).astype(jnp.int32)
 
     def keep_going(st: SingleReductionState):
         return (st.reason == Reason.ITERATING) & (st.k < maxiter) & ~_converged(st.rr, threshold)
 
     def step(st: SingleReductionState) -> SingleReductionState:
-        p = xpby(st.u, st.beta, st.p)                               # p ← u + β p
+        p = xpby(_or(st.u, st.r), st.beta, st.p)                    # p ← u + β p
         s = xpby(st.w, st.beta, st.s)                               # s ← w + β s      (= A p)
         x = axpy(st.alpha, p, st.x)                                 # x ← x + α p
         r = axpy(-st.alpha, s, st.r)                                # r ← r − α s
         u = precond(r)                                              # u = M r
         w = matvec(u)                                               # w = A u
-        gamma, delta, rr = map(real, red.dots([(r, u), (u, w), (r, r)]))  # γ', δ', ρ: one reduction
+        if plain:                                                   # γ' = ρ (u = r)
+            delta, rr = map(real, red.dots([(u, w), (r, r)]))       # δ', ρ: one reduction
+            gamma = rr
+        else:
+            gamma, delta, rr = map(real, red.dots([(r, u), (u, w), (r, r)]))  # γ', δ', ρ: one reduction
         beta = gamma / st.gamma                                     # β' = γ'/γ
         curvature = delta - beta * gamma / st.alpha                 # ⟨p', A p'⟩ = δ' − β' γ'/α
         done = _converged(rr, threshold)  # once converged the next curvature may vanish harmlessly
@@ -338,12 +357,12 @@ def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, start, red: R
         k = st.k + ok.astype(jnp.int32)
         rr = jnp.where(ok, rr, st.rr)
         monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
-        return SingleReductionState(x, r, u, w, p, s, gamma / curvature, beta, gamma, delta, rr, k, failure,
-                                    record(st.history, k, jnp.sqrt(rr)))
+        return SingleReductionState(x, r, _unless(plain, u), w, p, s, gamma / curvature, beta, gamma, delta, rr, k,
+                                    failure, record(st.history, k, jnp.sqrt(rr)))
 
     zeros = zeros_like(b)
-    state = SingleReductionState(x0, r, u, w, zeros, zeros, gamma / delta, jnp.zeros_like(gamma), gamma, delta, rr,
-                                 jnp.int32(0), failure, hist)
+    state = SingleReductionState(x0, r, _unless(plain, u), w, zeros, zeros, gamma / delta, jnp.zeros_like(gamma), gamma,
+                                 delta, rr, jnp.int32(0), failure, hist)
     st = jax.lax.while_loop(keep_going, step, state)
     return _result(st.x, st.rr, st.k, st.reason, st.history, threshold, from_atol, maxiter)
 
@@ -383,6 +402,9 @@ def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductio
         matvec, b, x0, precond, rtol, atol, start, red, history, monitor, check_curvature=False)
     m = precond(w)                                                  # m₀ = M w₀
     n = matvec(m)                                                   # n₀ = A m₀
+    # Without a preconditioner u = r, m = w and q = s: those recurrences are
+    # not run or carried (three vectors' updates and copies per iteration).
+    plain = precond is _arguments.identity
 
     def keep_going(st: PipelinedState):
         return (st.reason == Reason.ITERATING) & (st.k < maxiter) & ~_converged(st.rr, threshold)
@@ -401,15 +423,21 @@ def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductio
         # A failed step must not move x or r: a zero step length.
         alpha = jnp.where(failure == Reason.ITERATING, st.gamma / curvature, jnp.zeros_like(st.gamma))
         z = xpby(st.n, beta, st.z)                                  # z = n + β z    (= A q)
-        q = xpby(st.m, beta, st.q)                                  # q = m + β q    (= M s)
         s = xpby(st.w, beta, st.s)                                  # s = w + β s    (= A p)
-        p = xpby(st.u, beta, st.p)                                  # p = u + β p
+        p = xpby(_or(st.u, st.r), beta, st.p)                       # p = u + β p
         x = axpy(alpha, p, st.x)                                    # x ← x + α p
         r = axpy(-alpha, s, st.r)                                   # r ← r − α s
-        u = axpy(-alpha, q, st.u)                                   # u ← u − α q    (= M r)
         w = axpy(-alpha, z, st.w)                                   # w ← w − α z    (= A u)
-        pending = red.start_dots([(r, u), (w, u), (r, r)])          # γ', δ', ρ' under way ...
-        (gamma, delta, rr), (m, n) = red.finish_while(pending, precondition_and_apply, w)
+        if plain:                                                   # u = r, q = s, m = w
+            u = q = None
+            pending = red.start_dots([(w, r), (r, r)])              # δ', ρ' = γ' under way ...
+            (delta, rr), n = red.finish_while(pending, matvec, w)   # ... while n = A w runs
+            gamma, m = rr, None
+        else:
+            q = xpby(st.m, beta, st.q)                              # q = m + β q    (= M s)
+            u = axpy(-alpha, q, st.u)                               # u ← u − α q    (= M r)
+            pending = red.start_dots([(r, u), (w, u), (r, r)])      # γ', δ', ρ' under way ...
+            (gamma, delta, rr), (m, n) = red.finish_while(pending, precondition_and_apply, w)
         gamma, delta, rr = map(real, (gamma, delta, rr))
         failure = first_reason((failure != Reason.ITERATING, failure),
                                (~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta),
@@ -428,7 +456,7 @@ def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductio
 
     zeros = zeros_like(b)
     one = jnp.ones_like(gamma)
-    state = PipelinedState(x0, r, u, w, m, n, zeros, zeros, zeros, zeros, gamma, delta, one, one, rr, jnp.int32(0),
-                           failure, hist)
+    state = PipelinedState(x0, r, _unless(plain, u), w, _unless(plain, m), n, zeros, _unless(plain, zeros), zeros,
+                           zeros, gamma, delta, one, one, rr, jnp.int32(0), failure, hist)
     st = jax.lax.while_loop(keep_going, step, state)
     return _result(st.x, st.rr, st.k, st.reason, st.history, threshold, from_atol, maxiter)
