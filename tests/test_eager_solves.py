@@ -6,6 +6,7 @@ every rank; the trace counts show which path ran (solvers/_eager.py).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -93,3 +94,23 @@ def test_unhashable_options_run_op_by_op(comm):
     for _ in range(2):
         x, _ = dl.minres(A, b, shift=jnp.asarray(0.5), rtol=1e-10, comm=comm)
         np.testing.assert_allclose(x, np.linalg.solve(A - 0.5 * np.eye(N), b), rtol=1e-6, atol=1e-8)
+
+
+def test_a_retrace_uses_this_calls_communicator(comm):
+    """A program cached under a freed communicator's handle, retraced for new shapes under a new
+    communicator (MPI may reuse the handle): the trace runs on the new one."""
+    first = comm.Dup()
+    A, b = system(4)
+    for _ in range(2):  # the second call compiles
+        jax.block_until_ready(dl.cg(A, b, rtol=1e-10, comm=first))  # (done before the Free)
+    first.Free()
+    second = comm.Dup()
+    try:
+        A2 = np.diag(np.linspace(1.0, 2.0, N + 3))
+        b2 = np.ones(N + 3)
+        for _ in range(2):
+            x, info = dl.cg(A2, b2, rtol=1e-10, comm=second)
+            np.testing.assert_allclose(x, b2 / np.diag(A2), rtol=1e-6)
+            assert bool(info.converged)
+    finally:
+        second.Free()

@@ -53,14 +53,18 @@ def compiled_when_eager(solver: Callable[..., Any]) -> Callable[..., Any]:
     # key -> None (seen) or the compiled solve (COMPILED); the last PROGRAMS keys.
     programs: OrderedDict[tuple[Any, ...], Callable[..., Any] | None] = OrderedDict()
 
-    def compile_solve(treedef: Any, static: tuple[Any, ...], options: tuple[tuple[str, Any], ...]) -> Any:
-        def solve(arrays: list[Any]) -> Any:
+    def new_program() -> Callable[..., Any]:
+        # The key's parts are static arguments, not closed over: a retrace
+        # (new shapes) then uses this call's objects, not those of the call
+        # that compiled (a communicator equal by handle may be a new one).
+        def solve(treedef: Any, static: tuple[Any, ...], options: tuple[tuple[str, Any], ...],
+                  arrays: list[Any]) -> Any:
             supply = iter(arrays)
             leaves = [next(supply) if leaf is _ARRAY else leaf for leaf in static]
             A, b, x0, M = jax.tree_util.tree_unflatten(treedef, leaves)
             return solver(A, b, x0, M=M, **dict(options))
 
-        return jax.jit(solve)
+        return jax.jit(solve, static_argnums=(0, 1, 2))
 
     @functools.wraps(solver)
     def dispatch(A: Any, b: Any, x0: Any = None, *, M: Any = None, **options: Any) -> Any:
@@ -91,9 +95,9 @@ def compiled_when_eager(solver: Callable[..., Any]) -> Callable[..., Any]:
             # Compiled afresh on every rank (also where one is cached), so
             # that every rank runs a program's first execution together: its
             # cross-rank signature checks run then (csrc/checks.h).
-            programs[key] = compile_solve(*key)
+            programs[key] = new_program()
         programs.move_to_end(key)
-        return programs[key]([leaf for leaf in leaves if _is_array(leaf)])
+        return programs[key](*key, [leaf for leaf in leaves if _is_array(leaf)])
 
     return dispatch
 
