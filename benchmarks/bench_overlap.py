@@ -17,9 +17,9 @@ allreduce  a `--bytes` allreduce and `--steps` matmuls of side `--work`:
 halo       `--matvecs` matvecs of laplacian_2d(`--grid`) in a fori_loop,
            halo="blocking" (two sendrecvs, then the stencil) vs "overlapped"
            (isend/irecv while the interior stencil runs).
-cg         `--iterations` iterations of cg on laplacian_2d(`--grid`) (default,
-           blocking halo), method="standard" (two blocking allreduces per iteration) vs
-           "pipelined" (one iallreduce, in flight during the matvec).
+cg         `--iterations` iterations of cg on laplacian_2d(`--grid`): method="standard"
+           (two blocking allreduces per iteration) and "pipelined" (one iallreduce, in
+           flight during the matvec), each with both halo modes.
 
 MPI moves a non-blocking message only inside MPI calls unless the library
 runs a progress thread (MPICH: MPIR_CVAR_ASYNC_PROGRESS=1; it needs
@@ -85,18 +85,22 @@ def halo_part(args, jax, jnp, dl, comm):
 
 
 def cg_part(args, jax, jnp, dl, comm):
-    A = dl.operators.laplacian_2d(args.grid, dtype=jnp.float64)
-    b = jnp.ones(A.input_structure.shape, jnp.float64)
+    operators = {halo: dl.operators.laplacian_2d(args.grid, halo=halo, dtype=jnp.float64)
+                 for halo in ("blocking", "overlapped")}
+    b = jnp.ones(operators["blocking"].input_structure.shape, jnp.float64)
 
-    def solver(method):
+    def solver(method, A):
         # A tolerance far below reach: every run does exactly `iterations` iterations.
         return jax.jit(lambda b: dl.cg(A, b, method=method, rtol=1e-300, maxiter=args.iterations)[1].iterations)
 
-    programs = {method: solver(method) for method in ("standard", "pipelined")}
+    programs = {f"{method}/{halo}": solver(method, A)
+                for method in ("standard", "pipelined") for halo, A in operators.items()}
     seconds = measure(programs, (b,), args.repeats, jax, comm)
     per_iteration = {name: s / args.iterations for name, s in seconds.items()}
-    title = f"cg on laplacian_2d({args.grid}), {args.iterations} iterations"
-    return title, per_iteration, {"pipelined / standard": per_iteration["pipelined"] / per_iteration["standard"]}
+    title = f"cg on laplacian_2d({args.grid}) (method/halo), {args.iterations} iterations"
+    base = per_iteration["standard/blocking"]
+    ratios = {f"{name} / standard/blocking": t / base for name, t in per_iteration.items() if name != "standard/blocking"}
+    return title, per_iteration, ratios
 
 
 def measure(programs, inputs, repeats, jax, comm):

@@ -37,8 +37,8 @@ from ._partition import Partition, resolve_halo_mode, resolve_partition
 def _interior_stencil(u: jax.Array) -> jax.Array:
     """4u − the four neighbours, with zero grid rows beyond the block.
 
-    The halo rows are subtracted from the first and last row afterwards, in
-    place (_add_halo). Concatenating them onto the block instead made XLA's
+    The halo rows are subtracted from the first and last row afterwards
+    (_subtract_halo). Concatenating them onto the block instead made XLA's
     CPU backend materialise the shifted copies and run the stencil on one
     thread (cg took 2x as long per iteration).
     """
@@ -49,35 +49,38 @@ def _interior_stencil(u: jax.Array) -> jax.Array:
     return 4 * u - up - down - left - right
 
 
-def _add_halo(inner: jax.Array, above: jax.Array | None, below: jax.Array | None) -> jax.Array:
+def _subtract_halo(inner: jax.Array, above: jax.Array | None, below: jax.Array | None) -> jax.Array:
     """The neighbours beyond the block: −(row above) in the first row, −(row below) in the last.
 
-    None: no block there (the boundary of the grid), nothing to add. (Adding
-    zeros would not be free: after comm.overlap, an in-place update of the
-    stencil that does not wait for a message makes XLA copy the stencil.)
+    None: no block there (the boundary of the grid), nothing to subtract.
+    One elementwise pass that XLA fuses into the stencil's loop or into the
+    matvec's consumer. Each row is broadcast over the block and selected by
+    row index, so every load stays inside the row. Two other ways are slow
+    on XLA's CPU backend:
+
+    * An in-place update of the first and last rows (``.at[0].add``) makes
+      XLA copy the whole result, up to three times per iteration, when a
+      solver keeps it in its loop carry (single-reduction and pipelined CG,
+      BiCGSTAB).
+    * Zero-padding a row to the block (``jnp.pad``), or an in-place update
+      fused with its consumer, compiles to masked vector loads of the row at
+      every index of the block. The masked-off lanes address up to the
+      block's size past the row; where that memory is unmapped, each load
+      takes a fault-suppression assist: the overlapped 1024² matvec on 2
+      ranks took 16 ms instead of 0.8 ms in most runs (benchmarks/README.md).
     """
-    if above is not None:
-        inner = inner.at[0].add(-above)
+    present = [r for r in (above, below) if r is not None]
+    if not present:
+        return inner
+    if inner.shape[0] == 1:  # one grid row: both neighbours border it
+        return inner - sum(present)[None, :]
+    row = jax.lax.broadcasted_iota(jnp.int32, inner.shape, 0)
+    halo = jnp.zeros((), inner.dtype)
     if below is not None:
-        inner = inner.at[-1].add(-below)
-    return inner
-
-
-def _subtract_halo(inner: jax.Array, above: jax.Array | None, below: jax.Array | None) -> jax.Array:
-    """`_add_halo` for halo rows that are already here: one elementwise pass with the stencil.
-
-    The rows are zero-padded to the block and subtracted, which XLA fuses
-    into the stencil's own loop. An in-place update of the first and last
-    rows (`_add_halo`) would instead make XLA copy the whole result, up to
-    three times per iteration, when a solver keeps it in its loop carry
-    (single-reduction and pipelined CG, BiCGSTAB).
-    """
-    rows = inner.shape[0]
+        halo = jnp.where(row == inner.shape[0] - 1, below[None, :], halo)
     if above is not None:
-        inner = inner - jnp.pad(above[None], ((0, rows - 1), (0, 0)))
-    if below is not None:
-        inner = inner - jnp.pad(below[None], ((rows - 1, 0), (0, 0)))
-    return inner
+        halo = jnp.where(row == 0, above[None, :], halo)
+    return inner - halo
 
 
 class Laplacian2D(LinearOperator):
@@ -170,7 +173,7 @@ def _laplacian_matvec(_: tuple, v: Any, *, geometry: _Geometry) -> Any:
         below = _exchange_row(u[0], boundary, down, up, _BELOW_TAG, comm)
         return _subtract_halo(_interior_stencil(u), above, below).reshape(-1)
     above, below, inner = _overlapped_halo(u, geometry)
-    return _add_halo(inner, above, below).reshape(-1)
+    return _subtract_halo(inner, above, below).reshape(-1)
 
 
 def _exchange_row(row: jax.Array, boundary: jax.Array, source: int, dest: int, tag: int,
