@@ -122,3 +122,38 @@ def test_eager_calls_reuse_their_compiled_programs(comm):
     keys = {k for k in nonblocking._free_eager_keys}
     C.wait(C.iallreduce(jnp.ones(5), comm=comm))
     assert {k for k in nonblocking._free_eager_keys} == keys
+
+
+def test_request_numbers_are_distinct_and_need_no_table():
+    keys = [(kind, n, *suffix) for kind in ("traced", "eager") for n in (1, 2, 3, 10**6)
+            for suffix in [(), ("t",), ("T",), ("t", "T"), ("T", "t"), ("t", "t", "T")]]
+    numbers = [int(nonblocking._key_number(k)) for k in keys]
+    assert len(set(numbers)) == len(keys)
+    assert numbers == [int(nonblocking._key_number(k)) for k in keys]  # a function of the key alone
+    with pytest.raises(NotImplementedError, match="nested derivatives"):
+        nonblocking._key_number(("traced", 1) + ("t",) * 17)
+
+
+def test_tracing_keeps_only_the_set_of_waited_keys(comm, rank, size):
+    """Module state per traced start: one key in _waits_traced, nothing else (no route or name tables)."""
+    from distlinalg.comm import nonblocking_p2p
+
+    def program(v):
+        right, left = (rank + 1) % size, (rank - 1) % size
+        received = C.irecv(v, left, comm=comm)
+        sent = C.isend(v, right, comm=comm)
+        total = C.iallreduce(v, comm=comm)
+        C.wait(sent)
+        return C.wait(received) + C.wait(total)
+
+    def state():
+        return {name: len(value) for module in (nonblocking, nonblocking_p2p)
+                for name, value in vars(module).items()
+                if isinstance(value, (dict, set, list)) and name.startswith("_") and not name.startswith("__")}
+
+    jax.jit(program).lower(jnp.ones(3))
+    before = state()
+    for _ in range(5):
+        jax.jit(lambda v: program(v)).lower(jnp.ones(3))  # a new function: traced afresh
+    grown = {name: state()[name] - count for name, count in before.items() if state()[name] != count}
+    assert grown == {"_waits_traced": 15}

@@ -73,19 +73,35 @@ from ._core import ad, batching
 # ---------------------------------------------------------------------------
 # Request keys. A key names one start/wait pair of a program; the extension
 # keeps the request under its number between the two calls. Keys of traced
-# calls are fresh tuples; derivative pairs extend them (("t",) the tangent
-# pair, ("T",) the adjoint pair), so a rule finds its partner's key without
-# passing anything at run time. Eager calls take keys from a free list, so
-# their compiled programs are reused.
+# calls are fresh tuples ("traced", n); derivative pairs extend them ("t" the
+# tangent pair, "T" the adjoint pair), so a rule finds its partner's key
+# without passing anything at run time. Eager calls take keys ("eager", n)
+# from a free list, so their compiled programs are reused. A key's number is
+# computed from the key (nothing is kept per key but the set of keys whose
+# wait was traced, which a start's lowering checks).
 _fresh_keys = itertools.count(1)
-_key_numbers: dict[tuple, int] = {}
 _waits_traced: set[tuple] = set()
 _free_eager_keys: list[tuple] = []
 _eager_pending: dict[tuple, str] = {}  # key -> where it was started
+_MAX_DERIVATIVE_DEPTH = 16  # "t"/"T" extensions of one key (orders of differentiation)
 
 
 def _key_number(key: tuple) -> np.int64:
-    return np.int64(_key_numbers.setdefault(key, len(_key_numbers) + 1))
+    """The request number of `key`: distinct keys get distinct numbers.
+
+    (kind, n, *suffixes) -> (2n + [kind is eager]) · 3^16 + the suffixes as
+    base-3 digits (t = 1, T = 2; no digit is 0, so no two suffix sequences
+    share a value).
+    """
+    kind, n, *suffixes = key
+    if len(suffixes) > _MAX_DERIVATIVE_DEPTH:
+        raise NotImplementedError(
+            f"distlinalg: more than {_MAX_DERIVATIVE_DEPTH} nested derivatives of one non-blocking operation"
+        )
+    code = 0
+    for suffix in suffixes:
+        code = 3 * code + (1 if suffix == "t" else 2)
+    return np.int64((2 * n + (kind == "eager")) * 3**_MAX_DERIVATIVE_DEPTH + code)
 
 
 def _tangent_key(key: tuple) -> tuple:
@@ -96,17 +112,18 @@ def _adjoint_key(key: tuple) -> tuple:
     return (*key, "T")
 
 
-def _check_waited(ctx: Any, *, key: tuple, **params: Any) -> None:
-    """A traced start lowers only if its wait was traced too (same program)."""
-    if key not in _waits_traced:
-        raise ValueError(
-            f"distlinalg: a non-blocking operation ({_START_NAMES.get(key, 'start')}) is started and never "
-            "waited for in the same traced function: call distlinalg.comm.wait(request) before the "
-            "function returns (a request cannot be returned from jit or carried out of a loop body)"
-        )
+def _check_waited(start: str) -> Any:
+    """The lowering hook of `start`'s primitive: a traced start lowers only if its wait was traced too."""
 
+    def check(ctx: Any, *, key: tuple, **params: Any) -> None:
+        if key not in _waits_traced:
+            raise ValueError(
+                f"distlinalg: a non-blocking operation ({start}) is started and never "
+                "waited for in the same traced function: call distlinalg.comm.wait(request) before the "
+                "function returns (a request cannot be returned from jit or carried out of a loop body)"
+            )
 
-_START_NAMES: dict[tuple, str] = {}
+    return check
 
 
 # ---------------------------------------------------------------------------
@@ -120,7 +137,7 @@ def _new_start(name: str, result_shape, attrs) -> Any:
         prim,
         f"distlinalg_{name}",
         lambda *, comm, key, **params: {"comm": _core.comm_attr(comm), **attrs(**params), "request": _key_number(key)},
-        on_lower=_check_waited,
+        on_lower=_check_waited(name),
     )
     return prim
 
@@ -139,30 +156,34 @@ def _sum_params(start: str) -> dict[str, Any]:
 
 
 def _bind_start(start: str, x: Any, *, comm: Communicator, key: tuple, **params: Any) -> Any:
-    _START_NAMES.setdefault(key, start)
     return _core.bind(_STARTS[start], x, comm=comm, key=key, **params)
 
 
 # ---------------------------------------------------------------------------
 # wait: marker -> the result of the start it completes.
-# (A send's wait returns nothing: a zero-element result.)
+# (A send's wait returns nothing: a zero-element result.) `route`: the
+# (peer, tag) of a point-to-point request, which its AD rules need; None for
+# a collective.
 wait_p = _core.new_primitive("wait")
 _core.def_abstract_eval(
     wait_p,
-    lambda marker, *, comm, key, start: _core.shaped(marker.shape[:-1] if start != "isend" else (0,), marker.dtype),
+    lambda marker, *, comm, key, start, route: _core.shaped(
+        marker.shape[:-1] if start != "isend" else (0,), marker.dtype
+    ),
 )
-_core.register_lowering(wait_p, "distlinalg_wait", lambda *, comm, key, start: {"request": _key_number(key)})
+_core.register_lowering(wait_p, "distlinalg_wait", lambda *, comm, key, start, route: {"request": _key_number(key)})
 
 
-def _bind_wait(marker: Any, *, comm: Communicator, key: tuple, start: str) -> Any:
+def _bind_wait(marker: Any, *, comm: Communicator, key: tuple, start: str, route: Any = None) -> Any:
     if not _compat.at_top_level():
         _waits_traced.add(key)
-    return _core.bind(wait_p, marker, comm=comm, key=key, start=start)
+    return _core.bind(wait_p, marker, comm=comm, key=key, start=start, route=route)
 
 
-def _bind_wait_discard(marker: Any, *, comm: Communicator, key: tuple, start: str = "isend") -> Any:
+def _bind_wait_discard(marker: Any, *, comm: Communicator, key: tuple, start: str = "isend",
+                       route: Any = None) -> Any:
     """The wait of a send (comm.nonblocking_p2p): completes it, returns a zero-element array."""
-    return _bind_wait(marker, comm=comm, key=key, start=start)
+    return _bind_wait(marker, comm=comm, key=key, start=start, route=route)
 
 
 # Point-to-point requests (comm/nonblocking_p2p.py) register their wait and
@@ -200,18 +221,18 @@ def _start_transpose(start: str):
     return transpose
 
 
-def _wait_jvp(primals, tangents, *, comm, key, start):
+def _wait_jvp(primals, tangents, *, comm, key, start, route):
     if start in _P2P_JVP:
-        return _P2P_JVP[start](primals, tangents, comm=comm, key=key, start=start)
+        return _P2P_JVP[start](primals, tangents, comm=comm, key=key, start=start, route=route)
     (marker,), (marker_t,) = primals, tangents
     y = _bind_wait(marker, comm=comm, key=key, start=start)
     y_t = _bind_wait(_core.instantiate(marker_t), comm=comm, key=_tangent_key(key), start=start)
     return y, y_t
 
 
-def _wait_transpose(ct, marker, *, comm, key, start):
+def _wait_transpose(ct, marker, *, comm, key, start, route):
     if start in _P2P_TRANSPOSE:
-        return _P2P_TRANSPOSE[start](ct, marker, comm=comm, key=key, start=start)
+        return _P2P_TRANSPOSE[start](ct, marker, comm=comm, key=key, start=start, route=route)
     adjoint = _ADJOINT[start]
     ct = _core.instantiate(ct)  # every rank posts the adjoint message, zero or not
     adjoint_marker = _bind_start(adjoint, ct, comm=comm, key=_adjoint_key(key), **_sum_params(adjoint))
@@ -234,11 +255,11 @@ def _start_batch(start: str):
     return batch
 
 
-def _wait_batch(args, dims, *, comm, key, start):
+def _wait_batch(args, dims, *, comm, key, start, route):
     (marker,), (d,) = args, dims
     if d == marker.ndim - 1:  # the zero-size axis stays last
         marker, d = jnp.moveaxis(marker, d, 0), 0
-    out = wait_p.bind(marker, comm=comm, key=key, start=start)
+    out = wait_p.bind(marker, comm=comm, key=key, start=start, route=route)
     return out, (_compat.not_mapped if start == "isend" else d)
 
 
@@ -274,11 +295,13 @@ class Request:
       (True, (3, 2))
     """
 
-    def __init__(self, markers: tuple, start: str, keys: tuple, treedef: Any, comm: Communicator):
+    def __init__(self, markers: tuple, start: str, keys: tuple, treedef: Any, comm: Communicator,
+                 route: tuple[int, int] | None = None):
         self.markers, self.start, self.keys, self.treedef, self.comm = markers, start, keys, treedef, comm
+        self.route = route  # (peer, tag) of a point-to-point request
 
     def tree_flatten(self):
-        return self.markers, (self.start, self.keys, self.treedef, self.comm)
+        return self.markers, (self.start, self.keys, self.treedef, self.comm, self.route)
 
     @classmethod
     def tree_unflatten(cls, aux, markers):

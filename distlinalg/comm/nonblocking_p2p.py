@@ -93,7 +93,7 @@ def _new_p2p_start(name: str, peer_attribute: str) -> Any:
             "flagged": np.int32(flagged),
             "request": nb._key_number(key),
         },
-        on_lower=nb._check_waited,
+        on_lower=nb._check_waited(name),
     )
     return prim
 
@@ -126,7 +126,6 @@ _core.register_lowering(wait_if_p, "distlinalg_wait_if", lambda **params: {"requ
 
 
 def _start(prim: Any, x: Any, active: Any, *, comm, peer, tag, key, flagged=False) -> Any:
-    nb._START_NAMES.setdefault(key, prim.name.removeprefix("distlinalg_"))
     return _core.bind(prim, x, active, comm=comm, peer=peer, tag=tag, flagged=flagged, key=key)
 
 
@@ -135,9 +134,9 @@ def _note_wait(key: tuple) -> None:
         nb._waits_traced.add(key)
 
 
-def _wait_plain(marker: Any, *, comm, key, start) -> Any:
+def _wait_plain(marker: Any, *, comm, key, start, route) -> Any:
     _note_wait(key)
-    return _core.bind(nb.wait_p, marker, comm=comm, key=key, start=start)
+    return _core.bind(nb.wait_p, marker, comm=comm, key=key, start=start, route=route)
 
 
 def _wait_flag(marker: Any, *, comm, key, start, peer, tag) -> Any:
@@ -191,14 +190,15 @@ def _batched_like(value: Any, marker: Any) -> Any:
     return value + jnp.sum(marker).astype(jnp.int32)  # the sum of no elements: 0
 
 
-def _p2p_wait_jvp(primals, tangents, *, comm, key, start):
+def _p2p_wait_jvp(primals, tangents, *, comm, key, start, route):
     """The JVP of wait_p for a point-to-point request (only reached when its start was differentiated)."""
     (marker,), (marker_t,) = primals, tangents
-    peer, tag = _ROUTES[key]
+    _first_order_only(f"wait({start})", route is None, key)  # an adjoint message's wait has no route
+    peer, tag = route
     key_t = nb._tangent_key(key)
     marker_t = _core.instantiate(marker_t)
     if start == "isend":
-        out = _wait_plain(marker, comm=comm, key=key, start=start)
+        out = _wait_plain(marker, comm=comm, key=key, start=start, route=route)
         out_t = _wait_if(marker_t, _batched_like(np.int32(1), marker), comm=comm, key=key_t, start=start, peer=peer,
                          tag=tag)
         return out, out_t
@@ -224,7 +224,7 @@ def _wait_if_transpose(ct, marker, active, *, comm, key, start, peer, tag):
     return jnp.reshape(back, aval.shape), None
 
 
-def _p2p_wait_transpose(ct, marker, *, comm, key, start):
+def _p2p_wait_transpose(ct, marker, *, comm, key, start, route):
     """The transpose of the plain wait of a message that was not differentiated but is linear.
 
     ``jax.linear_transpose`` (and a solver's transposed operator) transposes
@@ -232,7 +232,8 @@ def _p2p_wait_transpose(ct, marker, *, comm, key, start):
     the same program, so each receiver sends its cotangent back and each
     sender receives it.
     """
-    peer, tag = _ROUTES[key]
+    _first_order_only(f"wait({start})", route is None, key)
+    peer, tag = route
     marker_ct, _ = _wait_if_transpose(ct, marker, _one(), comm=comm, key=key, start=start, peer=peer, tag=tag)
     return (marker_ct,)
 
@@ -240,7 +241,7 @@ def _p2p_wait_transpose(ct, marker, *, comm, key, start):
 def _isend_transpose(ct, x, active, *, comm, peer, tag, flagged, key):
     adjoint_key = nb._adjoint_key(key)
     marker = jnp.reshape(_core.instantiate(ct), (*x.aval.shape, 0))
-    x_bar = _wait_plain(marker, comm=comm, key=adjoint_key, start="irecv")
+    x_bar = _wait_plain(marker, comm=comm, key=adjoint_key, start="irecv", route=None)
     return x_bar, None
 
 
@@ -297,9 +298,6 @@ batching.primitive_batchers[irecv_p] = _start_batch(irecv_p)
 batching.primitive_batchers[wait_flag_p] = _wait_flag_batch
 batching.primitive_batchers[wait_if_p] = _wait_if_batch
 
-# Route of each point-to-point request key (static, for the wait's rules).
-_ROUTES: dict[tuple, tuple[int, int]] = {}
-
 
 # ---------------------------------------------------------------------------
 def _start_all(name: str, prim: Any, tree: Any, peer: int, tag: int, comm: Any) -> nb.Request:
@@ -310,10 +308,9 @@ def _start_all(name: str, prim: Any, tree: Any, peer: int, tag: int, comm: Any) 
     keys = nb._new_keys(len(leaves))
     markers = []
     for leaf, key in zip(leaves, keys):
-        _ROUTES[key] = (peer, tag)
         markers.append(_start(prim, leaf, _one(), comm=comm, peer=peer, tag=tag, key=key))
     nb._note_eager_start(name, keys)
-    return nb.Request(tuple(markers), name, keys, treedef, comm)
+    return nb.Request(tuple(markers), name, keys, treedef, comm, route=(peer, tag))
 
 
 def isend(x: Any, dest: int, *, tag: int = 0, comm: Any = None) -> nb.Request:
@@ -410,9 +407,9 @@ def _wait_request(request: nb.Request) -> Any:
     results = []
     for marker, key in zip(request.markers, request.keys):
         if request.start == "isend":
-            nb._bind_wait_discard(marker, comm=request.comm, key=key, start="isend")
+            nb._bind_wait_discard(marker, comm=request.comm, key=key, start="isend", route=request.route)
         else:
-            results.append(_wait_plain(marker, comm=request.comm, key=key, start="irecv"))
+            results.append(_wait_plain(marker, comm=request.comm, key=key, start="irecv", route=request.route))
     nb._note_eager_waited(request.keys)
     if request.start == "isend":
         return None
