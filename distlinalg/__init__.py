@@ -17,9 +17,9 @@ if YNN_FUSION.startswith("left on"):
 
     warnings.warn(
         "distlinalg was imported after JAX's CPU backend started and could not switch XLA's YNN "
-        "fusions off; with jaxlib 0.10.2 they can give wrong results (e.g. in jitted solves with "
-        "x0=None). Import distlinalg before running JAX computations, or set "
-        "XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= yourself.",
+        "reduce fusions off; with jaxlib 0.10.2 they can give wrong results (e.g. jnp.sum((X @ W) ** 2, 1), "
+        "jitted solves with x0=None). Import distlinalg before running JAX computations, or set "
+        "XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT yourself.",
         RuntimeWarning,
         stacklevel=2,
     )

@@ -172,24 +172,29 @@ def effect_free_lowering_context(ctx: Any, avals_in: Any, avals_out: Any) -> Any
 
 
 # ---------------------------------------------------------------------------
-# XLA CPU's YNN fusions (jaxlib 0.10.2) miscompile a reduction of a dot whose
-# operand is a broadcast scalar (seen from 1024 rows on): the result reads
-# uninitialised memory (nondeterministic garbage), with or without MPI, e.g. jit(lambda X, s: jnp.sum(X @ jnp.broadcast_to(s, (8, 4)), 1))
-# on a (1024, 8) X. A solve with x0=None hits it: A x0 with x0 = zeros / scale
-# is such a dot (reproducer in tests/test_gram.py). distlinalg switches the
-# fusions off: through XLA_FLAGS before XLA starts, else per compilation.
+# XLA CPU's YNN *reduce* fusions (jaxlib 0.10.2) miscompile a reduction of a
+# dot: the result reads uninitialised memory (nondeterministic garbage), with
+# or without MPI, e.g. jit(lambda X, s: jnp.sum(X @ jnp.broadcast_to(s, (8, 4)), 1))
+# on a (1024, 8) X, or jnp.sum((X @ W) ** 2, 1). A solve with x0=None hits it
+# (A x0 with x0 = zeros / scale is such a dot; reproducer in tests/test_gram.py).
+# distlinalg sets the YNN fusion types to YNN's individual dots only (its
+# matmul kernels, correct on every pattern in tests/test_ynn.py and ~2x
+# Eigen's speed on a 512x512 float64 product here): through XLA_FLAGS before
+# XLA starts, else per compilation. A jaxlib without that type gets none.
 _YNN_FLAG = "xla_cpu_experimental_ynn_fusion_type"
+_YNN_DOTS = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"  # XLA_FLAGS and compiler options both take the enum name
 
 
-def _jaxlib_knows_flag(flag: str) -> bool:
-    """Whether the installed jaxlib defines an XLA flag (XLA aborts on unknown ones)."""
+def _jaxlib_has(needle_text: str) -> bool:
+    """Whether the installed jaxlib's shared libraries contain `needle_text`
+    (a flag's name, an enum value's name: XLA aborts on unknown ones)."""
     import glob
     import mmap
     import os
 
     import jaxlib
 
-    needle = flag.encode()
+    needle = needle_text.encode()
     for path in glob.glob(os.path.join(os.path.dirname(jaxlib.__file__), "*.so")):
         try:
             with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
@@ -200,9 +205,16 @@ def _jaxlib_knows_flag(flag: str) -> bool:
     return False
 
 
+def _safe_ynn_types() -> str:
+    """The value of the YNN flag that distlinalg sets: individual dots, or
+    nothing where this jaxlib's flag does not know them."""
+    return _YNN_DOTS if _jaxlib_has(_YNN_DOTS) else ""
+
+
 def disable_ynn_fusion() -> str:
-    """Add ``--xla_cpu_experimental_ynn_fusion_type=`` to XLA_FLAGS if it can
-    still take effect; returns what was done (for ``python -m distlinalg``).
+    """Set ``--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT``
+    (YNN's reduce fusions off, its matmuls kept) if it can still take effect;
+    returns what was done (for ``python -m distlinalg``).
 
     ``DISTLINALG_YNN_FUSION=1`` keeps XLA's default; an XLA_FLAGS that
     already names the flag is left alone.
@@ -216,22 +228,24 @@ def disable_ynn_fusion() -> str:
         return "kept (DISTLINALG_YNN_FUSION=1)"
     if _YNN_FLAG in flags:
         return "as set in XLA_FLAGS"
-    if not _jaxlib_knows_flag(_YNN_FLAG):
+    if not _jaxlib_has(_YNN_FLAG):
         return "not present in this jaxlib"
+    value = _safe_ynn_types()
+    kept = ": reduce fusions off, YNN matmuls kept" if value else ""
     if xla_bridge.backends_are_initialized():
         # XLA_FLAGS is read once, when the backend starts; the same debug
         # option is still accepted per compilation (compiler_options).
-        if _disable_ynn_fusion_per_compile():
-            return "disabled per compilation (JAX's backend started before distlinalg was imported)"
+        if _disable_ynn_fusion_per_compile(value):
+            return f"disabled per compilation{kept} (JAX's backend started before distlinalg was imported)"
         return "left on: JAX's backend started before distlinalg was imported"
-    os.environ["XLA_FLAGS"] = f"{flags} --{_YNN_FLAG}=".strip()
-    return "disabled"
+    os.environ["XLA_FLAGS"] = f"{flags} --{_YNN_FLAG}={value}".strip()
+    return f"disabled{kept}"
 
 
-def _disable_ynn_fusion_per_compile() -> bool:
-    """Add the YNN flag to the options of every later jit compilation.
+def _disable_ynn_fusion_per_compile(value: str) -> bool:
+    """Add the YNN flag, set to `value`, to the options of every later jit compilation.
 
-    Same effect as ``jax.jit(f, compiler_options={flag: ""})`` on each jit;
+    Same effect as ``jax.jit(f, compiler_options={flag: value})`` on each jit;
     an explicit ``compiler_options`` entry for the flag wins. Programs
     compiled before this call keep the fusions (they hold no distlinalg
     call: distlinalg was not imported yet).
@@ -253,7 +267,7 @@ def _disable_ynn_fusion_per_compile() -> bool:
         backend = kwargs.get("backend")
         if backend is None or getattr(backend, "platform", "cpu") == "cpu":
             overrides = dict(kwargs.get("env_options_overrides") or {})
-            overrides.setdefault(_YNN_FLAG, "")
+            overrides.setdefault(_YNN_FLAG, value)
             kwargs["env_options_overrides"] = overrides
         return original(*args, **kwargs)
 

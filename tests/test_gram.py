@@ -434,7 +434,7 @@ def test_jitted_solve_on_communicating_gram_matches_eager(comm, rank, size):
     for the default x0 (zeros times the rhs scale, a broadcast scalar) is a
     reduced dot that YNN miscompiles from 1024 rows on (size * n here), not an
     MPI effect (tests/test_ynn.py has the MPI-free reproducer). distlinalg
-    switches the fusions off and skips A x0 for x0=None."""
+    switches YNN's reduce fusions off and skips A x0 for x0=None."""
     L, H, n = 8, 4, 512
     W = jnp.asarray(np.random.default_rng(rank).standard_normal((H, L))) * 0.3
     X = jnp.asarray(np.random.default_rng(100 + rank).choice([-1.0, 1.0], (n, L)))
