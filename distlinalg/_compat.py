@@ -224,7 +224,9 @@ def disable_ynn_fusion() -> str:
     from jax._src import xla_bridge  # private
 
     flags = os.environ.get("XLA_FLAGS", "")
-    if os.environ.get("DISTLINALG_YNN_FUSION", "") == "1":
+    from ._env import switch
+
+    if switch("DISTLINALG_YNN_FUSION", False):
         return "kept (DISTLINALG_YNN_FUSION=1)"
     if _YNN_FLAG in flags:
         return "as set in XLA_FLAGS"

@@ -46,6 +46,7 @@ from typing import Any
 import jax
 
 from . import _compat
+from ._env import switch
 
 _PLUGIN_MODULES = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 
@@ -64,7 +65,7 @@ def emulated() -> bool:
     DISTLINALG_LIBCUDA, which must be a stand-in that works on host memory
     (tests/cuda_driver_stub.c).
     """
-    return _env("DISTLINALG_CUDA_EMULATION", "0") in ("1", "yes", "true", "on")
+    return switch("DISTLINALG_CUDA_EMULATION", False)
 
 
 def cpu_variant(build_info: dict[str, Any]) -> str:

@@ -46,6 +46,7 @@ except ImportError as err:  # pragma: no cover - environment problem
 import jax
 
 from . import _cpu, _cuda
+from ._env import switch
 
 try:
     from . import _native
@@ -124,10 +125,6 @@ _check_library()
 THREAD_LEVEL = MPI.Query_thread()
 PROC_NULL = MPI.PROC_NULL
 _INT_MAX = 2**31 - 1
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 # Signature-check modes (csrc/checks.h): the native codes and their names.
@@ -238,7 +235,7 @@ def check_mode() -> str:
 
 
 _native.configure(
-    debug_log=_env_flag("DISTLINALG_DEBUG"),
+    debug_log=switch("DISTLINALG_DEBUG", False),
     check_mode=CHECK_MODES[_check_mode(os.environ.get("DISTLINALG_CHECK", ""), "DISTLINALG_CHECK")],
     serialize=THREAD_LEVEL < MPI.THREAD_MULTIPLE,
     max_count=_check_max_count(os.environ.get("DISTLINALG_MAX_COUNT", _INT_MAX), "DISTLINALG_MAX_COUNT"),

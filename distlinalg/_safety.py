@@ -53,6 +53,7 @@ from typing import Any, Callable
 from mpi4py import MPI
 
 from . import _mpi
+from ._env import parse_flag  # noqa: F401  (also this module's API: tests, callers of install)
 
 ABORT_ENV = "DISTLINALG_ABORT_ON_ERROR"
 TIMEOUT_ENV = "DISTLINALG_TIMEOUT"
@@ -73,26 +74,8 @@ _TAG_REPLY = 2
 _MAX_MESSAGE = 16384
 _P2P_OPS = ("send", "recv", "sendrecv")
 
-_TRUE_WORDS = ("1", "true", "yes", "on")
-_FALSE_WORDS = ("0", "false", "no", "off")
-
-
 # ---------------------------------------------------------------------------
-# Settings
-def parse_flag(name: str, value: str | None, default: bool) -> bool:
-    """An on/off environment variable: unset or empty gives `default`.
-
-    Raises ValueError for anything but 1/0, true/false, yes/no, on/off, so a
-    typo does not silently leave a safety net off (or on).
-    """
-    if value is None or not value.strip():
-        return default
-    word = value.strip().lower()
-    if word in _TRUE_WORDS:
-        return True
-    if word in _FALSE_WORDS:
-        return False
-    raise ValueError(f"distlinalg: {name}={value!r} is not a switch; use 1 or 0 (true/false, yes/no, on/off)")
+# Settings (on/off switches: distlinalg/_env.py, shared with the other modules)
 
 
 def parse_timeout(value: Any, name: str = "timeout") -> float | None:

@@ -333,3 +333,27 @@ def test_bad_environment_value_fails_on_every_rank_without_hanging():
             proc.wait()
     assert proc.returncode != 0
     assert out.count("ValueError: distlinalg: DISTLINALG_TIMEOUT='-3'") == 2, out
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("variable", ["DISTLINALG_DEBUG", "DISTLINALG_YNN_FUSION", "DISTLINALG_CUDA_EMULATION"])
+def test_every_switch_reads_the_same_words(variable):
+    """The switches outside the safety module follow _env.parse_flag: the six
+    words in any case, and a ValueError naming the variable for a typo (any
+    value but 0/false/no/off used to turn DISTLINALG_DEBUG on, and only "1"
+    turned DISTLINALG_YNN_FUSION on)."""
+    probe = ("import distlinalg, distlinalg._mpi as m, distlinalg._cuda as c\n"
+             "print(m._native.settings()['debug_log'], c.emulated(), distlinalg.YNN_FUSION.startswith('kept'))")
+
+    def run(value, code=probe):
+        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(**{variable: value}),
+                              capture_output=True, text=True, timeout=120)
+
+    column = ["DISTLINALG_DEBUG", "DISTLINALG_CUDA_EMULATION", "DISTLINALG_YNN_FUSION"].index(variable)
+    for value, expected in ((" Yes", "True"), ("on", "True"), ("OFF", "False"), ("", "False")):
+        out = run(value)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[column] == expected, (value, out.stdout)
+    bad = run("flase", "import distlinalg")
+    assert bad.returncode != 0 and f"ValueError: distlinalg: {variable}='flase' is not a switch" in bad.stderr, \
+        bad.stderr
