@@ -33,8 +33,8 @@ def schedule(fun, *args):
         target = re.search(r'custom_call_target="distlinalg_(\w+)"', line)
         if target:
             order.append(target.group(1))
-        elif re.search(r"= \S+ dot\(", line):
-            order.append("dot")
+        elif re.search(r"= \S+ dot\(", line) or ("__ynn_fusion" in line and "dot_general" in line):
+            order.append("dot")  # XLA's dot, or YNN's matmul (distlinalg keeps YNN's individual dots)
     return order
 
 
