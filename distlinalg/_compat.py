@@ -19,6 +19,8 @@ from jax._src import dtypes as _dtypes  # private
 from jax._src.lax import lax as _lax_internal  # private
 from jax._src.lib.mlir.dialects import hlo as _hlo  # private
 
+from ._env import switch
+
 __all__ = [
     "Effect",
     "register_ordered_effect",
@@ -224,8 +226,6 @@ def disable_ynn_fusion() -> str:
     from jax._src import xla_bridge  # private
 
     flags = os.environ.get("XLA_FLAGS", "")
-    from ._env import switch
-
     if switch("DISTLINALG_YNN_FUSION", False):
         return "kept (DISTLINALG_YNN_FUSION=1)"
     if _YNN_FLAG in flags:
