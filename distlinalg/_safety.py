@@ -53,7 +53,7 @@ from typing import Any, Callable
 from mpi4py import MPI
 
 from . import _mpi
-from ._env import parse_flag  # noqa: F401  (also this module's API: tests, callers of install)
+from ._env import switch
 
 ABORT_ENV = "DISTLINALG_ABORT_ON_ERROR"
 TIMEOUT_ENV = "DISTLINALG_TIMEOUT"
@@ -75,9 +75,7 @@ _MAX_MESSAGE = 16384
 _P2P_OPS = ("send", "recv", "sendrecv")
 
 # ---------------------------------------------------------------------------
-# Settings (on/off switches: distlinalg/_env.py, shared with the other modules)
-
-
+# Settings (on/off switches are read by distlinalg/_env.py, as in the other modules)
 def parse_timeout(value: Any, name: str = "timeout") -> float | None:
     """A watchdog timeout in seconds: None, 0 or "" mean off, else a finite number > 0."""
     if value is None:
@@ -567,9 +565,9 @@ def install() -> None:
     global _monitor
     if _monitor is not None:
         return
-    abort = parse_flag(ABORT_ENV, os.environ.get(ABORT_ENV), True)
+    abort = switch(ABORT_ENV, True)
     timeout = parse_timeout(os.environ.get(TIMEOUT_ENV), TIMEOUT_ENV)
-    signals = parse_flag(SIGNALS_ENV, os.environ.get(SIGNALS_ENV), True)
+    signals = switch(SIGNALS_ENV, True)
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     if abort and size > 1:

@@ -22,6 +22,7 @@ import pytest
 from mpi4py import MPI
 
 from distlinalg import _safety
+from distlinalg._env import parse_flag
 from distlinalg.comm import allreduce, configure
 from run_mpi import find_mpiexec
 
@@ -38,15 +39,15 @@ HYDRA = "MPICH" in MPI.Get_library_version()  # Ctrl-C forwarding is launcher-sp
      ("0", False), ("false", False), (" off ", False), ("No", False)],
 )
 def test_flag_values(value, expected):
-    assert _safety.parse_flag("X", value, True) is expected
+    assert parse_flag("X", value, True) is expected
     if value is None or not value.strip():
-        assert _safety.parse_flag("X", value, False) is False
+        assert parse_flag("X", value, False) is False
 
 
 @pytest.mark.parametrize("value", ["2", "enabled", "-1", "o n"])
 def test_bad_flag_values_are_errors(value):
     with pytest.raises(ValueError, match="DISTLINALG_SIGNALS=.* is not a switch"):
-        _safety.parse_flag("DISTLINALG_SIGNALS", value, True)
+        parse_flag("DISTLINALG_SIGNALS", value, True)
 
 
 @pytest.mark.parametrize(
