@@ -44,6 +44,9 @@
 DL_FOR_EACH_HANDLER(DL_DECLARE_ENTRY)
 #undef DL_DECLARE_ENTRY
 
+// Host computation without MPI (csrc/local_dots.cc), registered for the CPU only.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DlLocalDots);
+
 namespace distlinalg {
 // Completes the non-blocking request `key` (if pending) and drops its result:
 // for requests never waited for, at interpreter exit. "" or the error.

@@ -65,6 +65,8 @@ nb::dict Registrations(const std::string& variant) {
 #define DL_REGISTER(name, symbol) d[name] = DL_VARIANT(symbol, variant);
   DL_FOR_EACH_HANDLER(DL_REGISTER)
 #undef DL_REGISTER
+  // Computation without MPI, on the host only (the solvers' local dots).
+  if (variant != "cuda") d["distlinalg_local_dots"] = Capsule(DlLocalDots);
   return d;
 }
 

@@ -550,6 +550,12 @@ def test_cg_updates_large_carried_vectors_in_place(comm, rank, size):
         vector = rf"f64\[({(stop - start) * n}|{stop - start},{n})\]"
         copies = [line for c in bodies for line in c.splitlines() if re.search(rf"= {vector}\S* copy\(", line)]
         assert not copies, (method, pre is not None, copies)
+        # The inner products read each vector once (solvers/_local_dots.py):
+        # no product vector reduced by XLA fusions (named after their reduce).
+        assert all("distlinalg_local_dots" in c for c in bodies), method
+        reductions = [line for c in bodies for line in c.splitlines()
+                      if "fusion(" in line and "reduce" in line.split(" = ")[0]]
+        assert not reductions, (method, pre is not None, reductions)
 
     def loss(b):
         x, _ = cg(op, b, rtol=1e-10, M=M, method="pipelined", comm=comm)

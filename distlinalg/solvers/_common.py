@@ -33,7 +33,7 @@ from .._mpi import Communicator
 from ..comm.allreduce import allreduce
 from ..comm.nonblocking import iallreduce, wait
 from ..comm.overlap import overlap
-from ._vectors import common_dtype, local_vdot
+from ._vectors import common_dtype, local_vdots
 
 
 class Reason(enum.IntEnum):
@@ -121,7 +121,7 @@ class Reductions:
         self.comm = comm
 
     def dots(self, pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
-        local = [local_vdot(x, y) for x, y in pairs]
+        local = local_vdots(pairs)
         dtype = common_dtype(*[v.dtype for v in local])
         values = self.sum(jnp.stack([v.astype(dtype) for v in local]))
         return [values[i] for i in range(len(pairs))]
@@ -134,7 +134,7 @@ class Reductions:
         (a pipelined solver's matvec and preconditioner) overlaps it. Replicated
         layout: the local values, nothing to wait for.
         """
-        local = [local_vdot(x, y) for x, y in pairs]
+        local = local_vdots(pairs)
         dtype = common_dtype(*[v.dtype for v in local])
         stacked = jnp.stack([v.astype(dtype) for v in local])
         if self.layout == "sharded":

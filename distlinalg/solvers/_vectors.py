@@ -8,17 +8,23 @@ each leaf before use, so the solvers run under
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import _compat
 from ..comm.overlap import fence
+from ._local_dots import HANDLER_DTYPES, local_dots
 
 # Below this many bytes per rank, a carried vector's copy (~2 µs at 64 KiB)
 # costs about what the fence that avoids it does (one FFI call).
 _IN_PLACE_MIN_BYTES = 64 * 1024
+# Below this many bytes per leaf, XLA's fused vdot is as fast as a call of
+# the local-dots handler (measured: equal at 8 KiB, 1.3x at 32 KiB, 2x from 512 KiB).
+_LOCAL_DOTS_MIN_BYTES = 8 * 1024
 
 
 def as_coefficient(alpha: Any, leaf: Any) -> Any:
@@ -83,11 +89,38 @@ def local_vdot(x: Any, y: Any) -> Any:
     Leaves of different dtypes (a real and a complex leaf in one pytree) are
     summed in their common dtype, explicitly (strict dtype promotion).
     """
-    parts = [jnp.vdot(a, b, precision=jax.lax.Precision.HIGHEST)
-             for a, b in zip(jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y))]
-    dtype = common_dtype(*[p.dtype for p in parts])
-    parts = [p.astype(dtype) for p in parts]
-    return sum(parts[1:], parts[0])
+    return local_vdots([(x, y)])[0]
+
+
+def local_vdots(pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
+    """``[local_vdot(x, y) for x, y in pairs]``, reading every large leaf once.
+
+    Leaf pairs of 8 KiB and more in float32/64 or complex64/128 go to one
+    ``local_dots`` call (one pass over all of them; on the CPU 2-4x faster
+    than XLA's vdot, see _local_dots); smaller ones, where the call costs
+    more than it saves, and other dtypes to ``jnp.vdot``. Which path a leaf
+    takes depends on its size on this rank only: it changes the rounding of
+    a local sum, never what is communicated.
+    """
+    parts: list[list[Any]] = [[] for _ in pairs]
+    batched, where = [], []
+    for i, (x, y) in enumerate(pairs):
+        for a, b in zip(jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y)):
+            a, b = jnp.asarray(a), jnp.asarray(b)
+            if (a.shape == b.shape and a.dtype == b.dtype and np.dtype(a.dtype) in HANDLER_DTYPES
+                    and a.size * a.dtype.itemsize >= _LOCAL_DOTS_MIN_BYTES):
+                batched.append((a, b))
+                where.append(i)
+            else:
+                parts[i].append(jnp.vdot(a, b, precision=jax.lax.Precision.HIGHEST))
+    for i, value in zip(where, local_dots(batched)):
+        parts[i].append(value)
+    sums = []
+    for values in parts:
+        dtype = common_dtype(*[v.dtype for v in values])
+        values = [v.astype(dtype) for v in values]
+        sums.append(sum(values[1:], values[0]))
+    return sums
 
 
 def common_dtype(*dtypes: Any) -> Any:

@@ -32,7 +32,7 @@ from ._common import Reason, Reductions, SolverInfo, finish_reason, first_reason
 from ._common import mark_inconsistent, monitor_print, new_history, record, stopping_threshold
 from ._driver import krylov_solve
 from ._eager import compiled_when_eager
-from ._vectors import as_coefficient, axpy, scale, sub, zeros_like
+from ._vectors import after, as_coefficient, axpy, scale, sub, zeros_like
 
 
 @compiled_when_eager
@@ -99,9 +99,13 @@ def minres(
             comm=comm, history=history, monitor=monitor,
         )
     p = _arguments.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
+    # A shift known to be 0 adds no pass over v to every matvec.
+    unshifted = isinstance(shift, (int, float)) and shift == 0
     shift = jax.lax.stop_gradient(jnp.asarray(shift))
 
     def shifted(v):
+        if unshifted:
+            return p.matvec(v)
         return axpy(-shift, v, p.matvec(v))                         # (A − σ) v
 
     def iterate(mv, rhs, x_init, rtol_agreed, atol_scaled, maxiter_agreed, start):
@@ -172,13 +176,16 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, his
         """One Lanczos step and rotation; r₁, w₁ in slots `older`, r₂, w₂ in `newer`."""
         r_old, r_new = getattr(s, "r_" + older), getattr(s, "r_" + newer)
         w1, w2 = getattr(s, "w_" + older), getattr(s, "w_" + newer)
-        v = scale(1 / s.beta, s.y if preconditioned else r_new)     # v = y / β
+        u = s.y if preconditioned else r_new
+        v = scale(1 / s.beta, u)                                    # v = y / β (fused into its users)
         y = op(v)                                                   # y = (A − σ) v
         # The three-term recurrence has no previous vector in the first step.
         previous = jnp.where(s.k >= 1, s.beta / jnp.where(s.oldb == 0, 1, s.oldb), 0)
         y = axpy(-previous, r_old, y)                               # y ← y − (β/β_old) r₁
-        (alfa,) = map(real, red.dots([(v, y)]))                     # α = ⟨v, y⟩
-        r2 = axpy(-(alfa / s.beta), r_new, y)                       # r₂' = y − (α/β) r₂; r₁' = r₂
+        # ⟨u, y⟩/β, not ⟨v, y⟩: a dot would read v from memory, so XLA would write it first.
+        (alfa,) = map(real, red.dots([(u, y)]))
+        alfa = alfa / s.beta                                        # α = ⟨v, y⟩ = ⟨u, y⟩/β
+        r2 = axpy(-(alfa / s.beta), r_new, after(w2, y))            # r₂' = y − (α/β) r₂; r₁' = r₂
         y = precond(r2)                                             # y = M r₂'
         (beta_new_sq,) = map(real, red.dots([(r2, y)]))             # β' = √⟨r₂', y⟩
         beta_new = jnp.sqrt(jnp.abs(beta_new_sq))
