@@ -76,6 +76,38 @@ def register_ordered_effect(effect_type: type) -> None:
     _effects.remat_allowed_effects.add_type(effect_type)
     _effects.partial_eval_kept_effects.add_type(effect_type)
     _recover_failed_tokens_of(effect_type)
+    _keep_ordered_effects_off_the_aot_fast_path()
+
+
+def _keep_ordered_effects_off_the_aot_fast_path() -> None:
+    """Let an ahead-of-time compiled program with an ordered effect run more than once.
+
+    ``jax.jit(f).lower(x).compile()`` returns a ``Compiled`` whose calls go
+    through ``MeshExecutable.create_cpp_call``: from the second call on a C++
+    fast path that passes the arguments only. A program with an ordered
+    effect also takes the effect's runtime token, so its second call failed
+    with "Execution supplied 1 arguments but compiled program expected 2"
+    (jax 0.10.2, any distlinalg operation). jit's own fast path leaves out
+    programs with ordered effects (``pjit._get_fastpath_data``); JAX's
+    ordered callbacks escape the AOT one only because they also have host
+    callbacks. Ordered programs compiled ahead of time now take the Python
+    path that threads the token, as under jit.
+    """
+    from jax._src.interpreters import pxla  # private
+
+    executable = getattr(pxla, "MeshExecutable", None)
+    current = getattr(executable, "create_cpp_call", None)
+    if current is None:  # a JAX without that fast path
+        return
+    original = getattr(current, "_distlinalg_original", current)
+
+    def create_cpp_call(self: Any, params: Any) -> Any:
+        if getattr(getattr(self, "unsafe_call", None), "ordered_effects", None):
+            return None
+        return original(self, params)
+
+    create_cpp_call._distlinalg_original = original  # type: ignore[attr-defined]
+    executable.create_cpp_call = create_cpp_call
 
 
 def _recover_failed_tokens_of(effect_type: type) -> None:

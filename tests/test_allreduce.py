@@ -158,3 +158,25 @@ def test_checkpoint_and_custom_jvp(comm, rank, size):
     g = jax.grad(lambda a: jnp.sum(smooth_total(a)))(x)
     np.testing.assert_allclose(g, size * np.cos(x), rtol=1e-13)
     np.testing.assert_allclose(jax.jit(smooth_total)(x), np.sin(G).sum(0), rtol=1e-13)
+
+
+def test_ahead_of_time_compiled_programs_run_repeatedly(comm, rank, size):
+    """``jax.jit(f).lower(x).compile()`` called again and again: JAX's AOT fast
+    path dropped the ordered effect's token from the second call on
+    (_compat._keep_ordered_effects_off_the_aot_fast_path)."""
+    from distlinalg.operators import laplacian_2d
+    from distlinalg.solvers import cg
+
+    x = jnp.asarray(local_data(rank))
+    reduce = jax.jit(lambda x: allreduce(x, comm=comm)).lower(x).compile()
+    want = gather_global(x, comm).sum(0)
+    for _ in range(3):
+        np.testing.assert_allclose(reduce(x), want, rtol=1e-13)
+    op = laplacian_2d(12, comm=comm, dtype=jnp.float64)
+    start, stop = op.grid_rows
+    b = jnp.ones((stop - start) * 12)
+    solve = jax.jit(lambda b: cg(op, b, rtol=1e-10, comm=comm)[0]).lower(b).compile()
+    first = solve(b)
+    for _ in range(2):
+        np.testing.assert_array_equal(solve(b), first)
+    np.testing.assert_allclose(op @ first, b, atol=1e-8)
