@@ -185,6 +185,8 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, his
         # ⟨u, y⟩/β, not ⟨v, y⟩: a dot would read v from memory, so XLA would write it first.
         (alfa,) = map(real, red.dots([(u, y)]))
         alfa = alfa / s.beta                                        # α = ⟨v, y⟩ = ⟨u, y⟩/β
+        # r₂' goes into r₁'s slot; the previous step's w (w₂ here) was the last
+        # to read what that slot held: after it, XLA writes r₂' in place (no copy).
         r2 = axpy(-(alfa / s.beta), r_new, after(w2, y))            # r₂' = y − (α/β) r₂; r₁' = r₂
         y = precond(r2)                                             # y = M r₂'
         (beta_new_sq,) = map(real, red.dots([(r2, y)]))             # β' = √⟨r₂', y⟩
