@@ -36,6 +36,7 @@ from jax.extend.core import Primitive
 
 from .. import _compat
 from .._compat import ad, batching, mlir
+from ..comm._core import moveaxis_or_broadcast
 
 # The dtypes of the CPU handler; others lower to jnp.
 HANDLER_DTYPES = frozenset(np.dtype(d) for d in ("float32", "float64", "complex64", "complex128"))
@@ -105,13 +106,8 @@ def _transpose(cts: Sequence[Any], *operands: Any, batch_ndim: int) -> list[Any]
 
 def _batch(args: Sequence[Any], dims: Sequence[Any], *, batch_ndim: int) -> tuple[list, list]:
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _compat.not_mapped)
-    moved = []
-    for a, d in zip(args, dims):
-        if d is _compat.not_mapped:  # an unbatched vector is read once per batch entry
-            a = jnp.broadcast_to(a, (size, *a.shape))
-        else:
-            a = jnp.moveaxis(a, d, 0)
-        moved.append(a)
+    # An unbatched vector is broadcast: read once per batch entry.
+    moved = [moveaxis_or_broadcast(a, d, 0, size) for a, d in zip(args, dims)]
     outs = local_dots_p.bind(*moved, batch_ndim=batch_ndim + 1)
     return outs, [0] * len(outs)
 
