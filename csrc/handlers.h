@@ -44,8 +44,10 @@
 DL_FOR_EACH_HANDLER(DL_DECLARE_ENTRY)
 #undef DL_DECLARE_ENTRY
 
-// Host computation without MPI (csrc/local_dots.cc), registered for the CPU only.
+// Host computation without MPI (csrc/local_dots.cc, csrc/fused_update.cc),
+// registered for the CPU only.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(DlLocalDots);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DlFusedUpdate);
 
 namespace distlinalg {
 // Completes the non-blocking request `key` (if pending) and drops its result:

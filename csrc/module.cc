@@ -65,8 +65,12 @@ nb::dict Registrations(const std::string& variant) {
 #define DL_REGISTER(name, symbol) d[name] = DL_VARIANT(symbol, variant);
   DL_FOR_EACH_HANDLER(DL_REGISTER)
 #undef DL_REGISTER
-  // Computation without MPI, on the host only (the solvers' local dots).
-  if (variant != "cuda") d["distlinalg_local_dots"] = Capsule(DlLocalDots);
+  // Computation without MPI, on the host only (the solvers' local dots and
+  // fused vector updates).
+  if (variant != "cuda") {
+    d["distlinalg_local_dots"] = Capsule(DlLocalDots);
+    d["distlinalg_fused_update"] = Capsule(DlFusedUpdate);
+  }
   return d;
 }
 

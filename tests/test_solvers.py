@@ -516,7 +516,8 @@ def test_pipelined_cg_on_halo_laplacian_values_grad_jvp_vmap(comm, rank, size):
 
 
 def test_cg_updates_large_carried_vectors_in_place(comm, rank, size):
-    """Vectors of 64 KiB and more per rank take `after` (solvers/_vectors.py):
+    """Vectors of 64 KiB and more per rank are updated in their loop slots
+    (one-pass fused updates, and `after` where XLA's own updates remain):
     every cg method, with and without a preconditioner, on the sharded 2-D
     Laplacian, against scipy's sparse direct solve of the gathered problem;
     the loop body copies no whole vector; gradients in both modes."""
@@ -550,9 +551,10 @@ def test_cg_updates_large_carried_vectors_in_place(comm, rank, size):
         vector = rf"f64\[({(stop - start) * n}|{stop - start},{n})\]"
         copies = [line for c in bodies for line in c.splitlines() if re.search(rf"= {vector}\S* copy\(", line)]
         assert not copies, (method, pre is not None, copies)
-        # The inner products read each vector once (solvers/_local_dots.py):
-        # no product vector reduced by XLA fusions (named after their reduce).
-        assert all("distlinalg_local_dots" in c for c in bodies), method
+        # The vector updates and the inner products of a step read each vector
+        # once (solvers/_fused_update.py, _local_dots.py): no product vector
+        # reduced by XLA fusions (named after their reduce).
+        assert all("distlinalg_fused_update" in c for c in bodies), (method, pre is not None)
         reductions = [line for c in bodies for line in c.splitlines()
                       if "fusion(" in line and "reduce" in line.split(" = ")[0]]
         assert not reductions, (method, pre is not None, reductions)
@@ -571,8 +573,9 @@ def test_cg_updates_large_carried_vectors_in_place(comm, rank, size):
 def test_minres_loop_copies_no_vector(comm):
     """MINRES on the sharded 2-D Laplacian (≥ 64 KiB per rank) against scipy's
     direct solve, with the default (static zero) and a traced shift: its
-    r slots are updated in place (no whole-vector copy in the loop body) and
-    its inner products read each vector once (solvers/_local_dots.py)."""
+    r and w slots are updated in place (no whole-vector copy in the loop
+    body), and its vector updates and inner products are one-pass handler
+    calls (solvers/_fused_update.py), with no product vector reduced by XLA."""
     import scipy.sparse as sp
     import scipy.sparse.linalg as spl
     from distlinalg.operators import laplacian_2d
@@ -597,4 +600,8 @@ def test_minres_loop_copies_no_vector(comm):
         vector = rf"f64\[({(stop - start) * n}|{stop - start},{n})\]"
         copies = [line for c in bodies for line in c.splitlines() if re.search(rf"= {vector}\S* copy\(", line)]
         assert not copies, (shift, copies)
-        assert all("distlinalg_local_dots" in c for c in bodies)
+        # Per step: y − c r₁ with ⟨u, y⟩, r₂' with ⟨r₂', r₂'⟩, and w with x.
+        assert all(c.count("custom_call_target=\"distlinalg_fused_update\"") >= 3 for c in bodies), shift
+        reductions = [line for c in bodies for line in c.splitlines()
+                      if "fusion(" in line and "reduce" in line.split(" = ")[0]]
+        assert not reductions, (shift, reductions)

@@ -121,10 +121,14 @@ class Reductions:
         self.comm = comm
 
     def dots(self, pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
-        local = local_vdots(pairs)
+        return self.totals(local_vdots(pairs))
+
+    def totals(self, local: Sequence[Any]) -> list[Any]:
+        """Σ over ranks of this rank's inner products `local` (computed
+        elsewhere, e.g. by ``update_and_dots``), in one allreduce."""
         dtype = common_dtype(*[v.dtype for v in local])
         values = self.sum(jnp.stack([v.astype(dtype) for v in local]))
-        return [values[i] for i in range(len(pairs))]
+        return [values[i] for i in range(len(local))]
 
     def start_dots(self, pairs: Sequence[tuple[Any, Any]]) -> "PendingDots":
         """Start ``dots(pairs)`` without waiting; :meth:`finish` returns the values.
@@ -134,7 +138,10 @@ class Reductions:
         (a pipelined solver's matvec and preconditioner) overlaps it. Replicated
         layout: the local values, nothing to wait for.
         """
-        local = local_vdots(pairs)
+        return self.start_totals(local_vdots(pairs))
+
+    def start_totals(self, local: Sequence[Any]) -> "PendingDots":
+        """:meth:`totals` of this rank's values `local`, started as :meth:`start_dots` is."""
         dtype = common_dtype(*[v.dtype for v in local])
         stacked = jnp.stack([v.astype(dtype) for v in local])
         if self.layout == "sharded":

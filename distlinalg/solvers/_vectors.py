@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import _compat
 from ..comm.overlap import fence
+from ._fused_update import fused_update
 from ._local_dots import HANDLER_DTYPES, local_dots
 
 # Below this many bytes per rank, a carried vector's copy (~2 µs at 64 KiB)
@@ -25,6 +26,8 @@ _IN_PLACE_MIN_BYTES = 64 * 1024
 # Below this many bytes per leaf, XLA's fused vdot is as fast as a call of
 # the local-dots handler (measured: equal at 8 KiB, 1.3x at 32 KiB, 2x from 512 KiB).
 _LOCAL_DOTS_MIN_BYTES = 8 * 1024
+# The same for a fused update (one FFI call against XLA's fused elementwise ops).
+_FUSED_UPDATE_MIN_BYTES = 8 * 1024
 
 
 def as_coefficient(alpha: Any, leaf: Any) -> Any:
@@ -121,6 +124,77 @@ def local_vdots(pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
         values = [v.astype(dtype) for v in values]
         sums.append(sum(values[1:], values[0]))
     return sums
+
+
+def update_and_dots(
+    updates: Sequence[Sequence[tuple[Any, Any]]],
+    dots: Sequence[tuple[Any, Any]] = (),
+    *,
+    wait_for: Any = None,
+) -> tuple[list[Any], list[Any]]:
+    """New vectors ``Σ c·v`` and this rank's inner products of old and new ones, in one pass.
+
+    Args:
+      updates: one list of ``(coefficient, vector)`` terms per new vector; a
+        vector is a pytree (all of one structure), or an int j for the j-th
+        new vector (earlier ones only). The new vector has the dtypes of its
+        first term's vector and is written over it where nothing reads that
+        vector's old value afterwards (a loop-carried vector stays in its
+        buffer).
+      dots: pairs ``(a, b)`` of vectors or ints as above: Σ conj(a)·b over
+        this rank's leaves (no communication), as `local_vdots`.
+      wait_for: a vector (pytree of the same structure) whose computation
+        must come first, as in `after`: the last reader of the old value of
+        a vector written over here, when nothing else orders the two.
+
+    Leaves of 8 KiB and more in float32/64 or complex64/128, of one shape and
+    dtype across the vectors, go to one ``fused_update`` call per leaf (every
+    vector read once, the new ones written once, the dots taken on the fly);
+    the others are computed with jnp and `local_vdots`. Which path a leaf
+    takes depends on its local size only.
+
+    Example: standard CG's step, x ← x + α p, r ← r − α q, ρ = ⟨r, r⟩:
+      ``(x, r), (rho,) = update_and_dots([[(1, x), (alpha, p)], [(1, r), (-alpha, q)]], dots=[(1, 1)])``
+    """
+    trees = {id(v): v for terms in updates for _, v in terms if not isinstance(v, int)}
+    trees.update({id(v): v for pair in dots for v in pair if not isinstance(v, int)})
+    treedef = jax.tree_util.tree_structure(next(iter(trees.values())))
+    leaves = {key: treedef.flatten_up_to(tree) for key, tree in trees.items()}
+    waits = [] if wait_for is None else treedef.flatten_up_to(wait_for)
+    new_leaves: list[list[Any]] = [[] for _ in updates]
+    parts: list[list[Any]] = [[] for _ in dots]  # each dot's value per leaf
+    for i in range(treedef.num_leaves):
+        def leaf(v: Any) -> Any:
+            return v if isinstance(v, int) else leaves[id(v)][i]
+
+        def value(v: Any) -> Any:
+            return new_leaves[v][i] if isinstance(v, int) else leaves[id(v)][i]
+
+        given = [jnp.asarray(vs[i]) for vs in [*leaves.values(), *([waits] if waits else [])]]
+        first = given[0]
+        if (np.dtype(first.dtype) in HANDLER_DTYPES and first.size * first.dtype.itemsize >= _FUSED_UPDATE_MIN_BYTES
+                and all(g.shape == first.shape and g.dtype == first.dtype for g in given)):
+            outs, values = fused_update([[(as_coefficient(c, first), leaf(v)) for c, v in terms] for terms in updates],
+                                        [(leaf(a), leaf(b)) for a, b in dots], after=[waits[i]] if waits else [])
+            for j, out in enumerate(outs):
+                new_leaves[j].append(out)
+        else:
+            for j, terms in enumerate(updates):
+                target = jnp.asarray(value(terms[0][1]))
+                if waits and j == 0:
+                    target = after(waits[i], target)
+                new_leaves[j].append(sum(
+                    (as_coefficient(c, target) * jnp.asarray(value(v)).astype(target.dtype) for c, v in terms[1:]),
+                    as_coefficient(terms[0][0], target) * target))
+            values = local_vdots([(value(a), value(b)) for a, b in dots]) if dots else []
+        for d, v in enumerate(values):
+            parts[d].append(v)
+    sums = []
+    for values in parts:
+        dtype = common_dtype(*[v.dtype for v in values])
+        values = [v.astype(dtype) for v in values]
+        sums.append(sum(values[1:], values[0]))
+    return [treedef.unflatten(new) for new in new_leaves], sums
 
 
 def common_dtype(*dtypes: Any) -> Any:

@@ -37,7 +37,7 @@ from ._common import Reason, Reductions, SolverInfo, finish_reason, first_reason
 from ._common import inconsistent, monitor_print, new_history, record, stopping_threshold
 from ._driver import krylov_solve
 from ._eager import compiled_when_eager
-from ._vectors import after, axpy, sub, xpby, zeros_like
+from ._vectors import after, local_vdot, local_vdots, sub, update_and_dots, xpby, zeros_like
 
 METHODS = ("standard", "single_reduction", "pipelined")
 
@@ -237,10 +237,14 @@ def _standard(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reduction
         # A failed step must not move x: a zero step length keeps every
         # vector as it was without a select over whole vectors.
         alpha = jnp.where(curvature_failure == Reason.ITERATING, s.gamma / pq, jnp.zeros_like(pq))  # α = γ / ⟨p, q⟩
-        x = axpy(alpha, s.p, s.x)                                   # x ← x + α p
-        r = axpy(-alpha, q, s.r)                                    # r ← r − α q
+        # x ← x + α p, r ← r − α q, and ρ = ⟨r, r⟩ of the new r: one pass over memory.
+        (x, r), (rr_local,) = update_and_dots([[(1, s.x), (alpha, s.p)], [(1, s.r), (-alpha, q)]], dots=[(1, 1)])
         z = precond(r)                                              # z = M r
-        gamma_new, rr_new = map(real, red.dots([(r, z), (r, r)]))   # γ' = ⟨r, z⟩, ρ = ⟨r, r⟩
+        if precond is _arguments.identity:                          # γ' = ρ (z = r)
+            (rr_new,) = map(real, red.totals([rr_local]))
+            gamma_new = rr_new
+        else:                                                       # γ' = ⟨r, z⟩ in the same reduction
+            gamma_new, rr_new = map(real, red.totals([local_vdot(r, z), rr_local]))
         failure = first_reason((curvature_failure != Reason.ITERATING, curvature_failure),
                                (~jnp.isfinite(rr_new) | ~jnp.isfinite(gamma_new), Reason.DIVERGED_NANORINF),
                                (gamma_new < 0, Reason.DIVERGED_INDEFINITE_PC))
@@ -331,18 +335,18 @@ def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, start, red: R
         return (st.reason == Reason.ITERATING) & (st.k < maxiter) & ~_converged(st.rr, threshold)
 
     def step(st: SingleReductionState) -> SingleReductionState:
-        p = xpby(_or(st.u, st.r), st.beta, st.p)                    # p ← u + β p
-        s = xpby(st.w, st.beta, st.s)                               # s ← w + β s      (= A p)
-        x = axpy(st.alpha, p, st.x)                                 # x ← x + α p
-        # The new u (r itself without M) replaces the one p just read: after p, in place.
-        r = axpy(-st.alpha, s, after(p, st.r) if plain else st.r)   # r ← r − α s
-        u = precond(r if plain else after(p, r))                    # u = M r
+        # p ← u + β p, s ← w + β s (= A p), x ← x + α p, r ← r − α s, and
+        # ρ = ⟨r, r⟩ of the new r: one pass over memory, each vector in place.
+        (p, s, x, r), (rr_local,) = update_and_dots(
+            [[(st.beta, st.p), (1, _or(st.u, st.r))], [(st.beta, st.s), (1, st.w)], [(1, st.x), (st.alpha, 0)],
+             [(1, st.r), (-st.alpha, 1)]], dots=[(3, 3)])
+        u = precond(r)                                              # u = M r
         w = matvec(u)                                               # w = A u
         if plain:                                                   # γ' = ρ (u = r)
-            delta, rr = map(real, red.dots([(u, w), (r, r)]))       # δ', ρ: one reduction
+            delta, rr = map(real, red.totals([local_vdot(u, w), rr_local]))  # δ', ρ: one reduction
             gamma = rr
-        else:
-            gamma, delta, rr = map(real, red.dots([(r, u), (u, w), (r, r)]))  # γ', δ', ρ: one reduction
+        else:                                                       # γ', δ', ρ: one reduction
+            gamma, delta, rr = map(real, red.totals([*local_vdots([(r, u), (u, w)]), rr_local]))
         beta = gamma / st.gamma                                     # β' = γ'/γ
         curvature = delta - beta * gamma / st.alpha                 # ⟨p', A p'⟩ = δ' − β' γ'/α
         done = _converged(rr, threshold)  # once converged the next curvature may vanish harmlessly
@@ -423,24 +427,23 @@ def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductio
                                (st.gamma < 0, Reason.DIVERGED_INDEFINITE_PC))
         # A failed step must not move x or r: a zero step length.
         alpha = jnp.where(failure == Reason.ITERATING, st.gamma / curvature, jnp.zeros_like(st.gamma))
-        z = xpby(st.n, beta, st.z)                                  # z = n + β z    (= A q)
-        s = xpby(st.w, beta, st.s)                                  # s = w + β s    (= A p)
-        p = xpby(_or(st.u, st.r), beta, st.p)                       # p = u + β p
-        x = axpy(alpha, p, st.x)                                    # x ← x + α p
-        # Each vector below replaces one that an update above still reads:
-        # ordered after that update (`after`), XLA overwrites it in place.
-        r = axpy(-alpha, s, after(p, st.r) if plain else st.r)      # r ← r − α s
-        w = axpy(-alpha, z, after(s, st.w))                         # w ← w − α z    (= A u)
+        # z = n + β z (= A q), s = w + β s (= A p), p = u + β p, x ← x + α p,
+        # r ← r − α s, w ← w − α z (= A u) and, with M, q = m + β q (= M s),
+        # u ← u − α q (= M r); and the new r's (and u's) inner products: one
+        # pass over memory, each vector in place.
+        updates = [[(beta, st.z), (1, st.n)], [(beta, st.s), (1, st.w)], [(beta, st.p), (1, _or(st.u, st.r))],
+                   [(1, st.x), (alpha, 2)], [(1, st.r), (-alpha, 1)], [(1, st.w), (-alpha, 0)]]
         if plain:                                                   # u = r, q = s, m = w
+            (z, s, p, x, r, w), local = update_and_dots(updates, dots=[(5, 4), (4, 4)])
             u = q = None
-            pending = red.start_dots([(w, r), (r, r)])              # δ', ρ' = γ' under way ...
+            pending = red.start_totals(local)                       # δ' = ⟨w, r⟩, ρ' = γ' under way ...
             (delta, rr), n = red.finish_while(pending, matvec, w)   # ... while n = A w runs
             gamma, m = rr, None
         else:
-            q = xpby(st.m, beta, st.q)                              # q = m + β q    (= M s)
-            u = axpy(-alpha, q, after(p, st.u))                     # u ← u − α q    (= M r)
-            pending = red.start_dots([(r, u), (w, u), (r, r)])      # γ', δ', ρ' under way ...
-            (gamma, delta, rr), (m, n) = red.finish_while(pending, precondition_and_apply, after(q, w))
+            updates += [[(beta, st.q), (1, st.m)], [(1, st.u), (-alpha, 6)]]
+            (z, s, p, x, r, w, q, u), local = update_and_dots(updates, dots=[(4, 7), (5, 7), (4, 4)])
+            pending = red.start_totals(local)                       # γ', δ', ρ' under way ...
+            (gamma, delta, rr), (m, n) = red.finish_while(pending, precondition_and_apply, w)
         gamma, delta, rr = map(real, (gamma, delta, rr))
         failure = first_reason((failure != Reason.ITERATING, failure),
                                (~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta),

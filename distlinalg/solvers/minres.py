@@ -32,7 +32,7 @@ from ._common import Reason, Reductions, SolverInfo, finish_reason, first_reason
 from ._common import mark_inconsistent, monitor_print, new_history, record, stopping_threshold
 from ._driver import krylov_solve
 from ._eager import compiled_when_eager
-from ._vectors import after, as_coefficient, axpy, scale, sub, zeros_like
+from ._vectors import axpy, scale, sub, update_and_dots, zeros_like
 
 
 @compiled_when_eager
@@ -177,19 +177,23 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, his
         r_old, r_new = getattr(s, "r_" + older), getattr(s, "r_" + newer)
         w1, w2 = getattr(s, "w_" + older), getattr(s, "w_" + newer)
         u = s.y if preconditioned else r_new
-        v = scale(1 / s.beta, u)                                    # v = y / β (fused into its users)
+        v = scale(1 / s.beta, u)                                    # v = y / β (fused into the matvec)
         y = op(v)                                                   # y = (A − σ) v
         # The three-term recurrence has no previous vector in the first step.
         previous = jnp.where(s.k >= 1, s.beta / jnp.where(s.oldb == 0, 1, s.oldb), 0)
-        y = axpy(-previous, r_old, y)                               # y ← y − (β/β_old) r₁
-        # ⟨u, y⟩/β, not ⟨v, y⟩: a dot would read v from memory, so XLA would write it first.
-        (alfa,) = map(real, red.dots([(u, y)]))
-        alfa = alfa / s.beta                                        # α = ⟨v, y⟩ = ⟨u, y⟩/β
-        # r₂' goes into r₁'s slot; the previous step's w (w₂ here) was the last
-        # to read what that slot held: after it, XLA writes r₂' in place (no copy).
-        r2 = axpy(-(alfa / s.beta), r_new, after(w2, y))            # r₂' = y − (α/β) r₂; r₁' = r₂
-        y = precond(r2)                                             # y = M r₂'
-        (beta_new_sq,) = map(real, red.dots([(r2, y)]))             # β' = √⟨r₂', y⟩
+        # y ← y − (β/β_old) r₁, written over r₁'s slot, and ⟨u, y⟩ on the way
+        # (⟨u, y⟩/β = ⟨v, y⟩: v is never written to memory). The previous
+        # step's w (w₂ here) was the last to read that slot: after it, XLA
+        # writes it in place (no copy).
+        (y,), (uy,) = update_and_dots([[(-previous, r_old), (1, y)]], dots=[(u, 0)], wait_for=w2)
+        alfa = jnp.real(red.totals([uy])[0]) / s.beta               # α = ⟨v, y⟩ = ⟨u, y⟩/β
+        # r₂' = y − (α/β) r₂, in the same slot (r₁' = r₂); ⟨r₂', r₂'⟩ on the way when M is I.
+        (r2,), rr = update_and_dots([[(1, y), (-(alfa / s.beta), r_new)]], dots=[] if preconditioned else [(0, 0)])
+        if preconditioned:
+            y = precond(r2)                                         # y = M r₂'
+            (beta_new_sq,) = map(real, red.dots([(r2, y)]))         # β' = √⟨r₂', y⟩
+        else:
+            (beta_new_sq,) = map(real, red.totals(rr))
         beta_new = jnp.sqrt(jnp.abs(beta_new_sq))
         # Givens rotation of the new column of T_k.
         delta = s.cs * s.dbar + s.sn * alfa                         # δ = c d̄ + s α
@@ -199,11 +203,14 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, his
         gamma = jnp.maximum(jnp.hypot(gbar, beta_new), jnp.finfo(dtype).tiny)  # γ = ‖(ḡ, β')‖
         cs, sn = gbar / gamma, beta_new / gamma                     # c = ḡ/γ, s = β'/γ
         phi, phibar = cs * s.phibar, sn * s.phibar                  # φ = c φ̄, φ̄ ← s φ̄
-        w = jax.tree_util.tree_map(                                 # w = (v − ε w₁ − δ w₂)/γ
-            lambda a, b_, c: (a - as_coefficient(s.epsln, a) * b_ - as_coefficient(delta, a) * c)
-            / as_coefficient(gamma, a), v, w1, w2)
-        # x ← x + φ w, only in an active step (a masked one may hold NaNs).
-        x = jax.tree_util.tree_map(lambda xi, wi: jnp.where(active, xi + as_coefficient(phi, xi) * wi, xi), s.x, w)
+        # w = (v − ε w₁ − δ w₂)/γ over w₁, and x ← x + φ w: one pass. A masked
+        # step (the second of a body, after the first ended the solve) leaves
+        # x as it is: all its coefficients are 0, and its vectors are finite
+        # unless the first step diverged, which already made x non-finite.
+        keep = lambda c: jnp.where(active, c, jnp.zeros_like(c))  # noqa: E731
+        (w, x), _ = update_and_dots([[(keep(-s.epsln / gamma), w1), (keep(1 / (s.beta * gamma)), u),
+                                      (keep(-delta / gamma), w2)],
+                                     [(1, s.x), (keep(phi), 0)]])
         failure = first_reason(
             (~jnp.isfinite(alfa) | ~jnp.isfinite(beta_new_sq) | ~jnp.isfinite(phibar), Reason.DIVERGED_NANORINF),
             (beta_new_sq < 0, Reason.DIVERGED_INDEFINITE_PC))
