@@ -78,13 +78,19 @@ void Combine(R* out, const R* const* srcs, const R* coefs, int64_t nterms, int64
     default: break;
   }
   CombineFixed<R, kComplex, 4>(out, srcs, coefs, n);
-  const R one[2] = {R(1), R(0)};
-  for (int64_t t = 4; t < nterms; t += 3) {  // out ← out + the next (up to) three terms
-    const R* more[4] = {out, srcs[t], srcs[std::min(t + 1, nterms - 1)], srcs[std::min(t + 2, nterms - 1)]};
-    R c[8] = {};
-    std::copy(one, one + w, c);
-    for (int64_t k = 0; k < 3 && t + k < nterms; ++k) std::copy(coefs + (t + k) * w, coefs + (t + k + 1) * w, c + (k + 1) * w);
-    CombineFixed<R, kComplex, 4>(out, more, c, n);  // a missing term repeats the last with coefficient 0
+  for (int64_t t = 4; t < nterms; t += 3) {  // out ← 1·out + the next (up to) three terms
+    const int64_t more = std::min<int64_t>(3, nterms - t);
+    const R* sources[4] = {out};
+    R c[8] = {R(1), R(0)};
+    for (int64_t k = 0; k < more; ++k) {
+      sources[1 + k] = srcs[t + k];
+      std::copy(coefs + (t + k) * w, coefs + (t + k + 1) * w, c + (k + 1) * w);
+    }
+    switch (more) {
+      case 1: CombineFixed<R, kComplex, 2>(out, sources, c, n); break;
+      case 2: CombineFixed<R, kComplex, 3>(out, sources, c, n); break;
+      default: CombineFixed<R, kComplex, 4>(out, sources, c, n); break;
+    }
   }
 }
 
@@ -164,7 +170,7 @@ struct Program {
 
 // The kernels compiled for AVX-512 and AVX2 beside the baseline, chosen when
 // the library loads (XLA's own fusions use the host's vector width too).
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #define DL_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), flatten))
 #else
 #define DL_VECTOR_CLONES

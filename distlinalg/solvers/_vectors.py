@@ -118,12 +118,14 @@ def local_vdots(pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
                 parts[i].append(jnp.vdot(a, b, precision=jax.lax.Precision.HIGHEST))
     for i, value in zip(where, local_dots(batched)):
         parts[i].append(value)
-    sums = []
-    for values in parts:
-        dtype = common_dtype(*[v.dtype for v in values])
-        values = [v.astype(dtype) for v in values]
-        sums.append(sum(values[1:], values[0]))
-    return sums
+    return [_sum_in_common_dtype(values) for values in parts]
+
+
+def _sum_in_common_dtype(values: Sequence[Any]) -> Any:
+    """Σ of one inner product's per-leaf values, in the dtype that holds them all."""
+    dtype = common_dtype(*[v.dtype for v in values])
+    values = [v.astype(dtype) for v in values]
+    return sum(values[1:], values[0])
 
 
 def update_and_dots(
@@ -189,12 +191,7 @@ def update_and_dots(
             values = local_vdots([(value(a), value(b)) for a, b in dots]) if dots else []
         for d, v in enumerate(values):
             parts[d].append(v)
-    sums = []
-    for values in parts:
-        dtype = common_dtype(*[v.dtype for v in values])
-        values = [v.astype(dtype) for v in values]
-        sums.append(sum(values[1:], values[0]))
-    return [treedef.unflatten(new) for new in new_leaves], sums
+    return [treedef.unflatten(new) for new in new_leaves], [_sum_in_common_dtype(values) for values in parts]
 
 
 def common_dtype(*dtypes: Any) -> Any:
