@@ -109,18 +109,20 @@ struct Program {
   int64_t ElementBytes() const { return static_cast<int64_t>(ffi::ByteWidth(dtype)); }
 
   // Whether new vector j may be stored as it is computed: unless its buffer
-  // is an operand's (written over it) whose old value a later new vector or
-  // a dot still reads in the same block. (Its own terms read each element
-  // before it is stored.)
+  // is an operand's (written over it) whose old value is still to be read in
+  // the same block: by a later new vector, a dot, or its own terms past the
+  // first four (Combine adds those to what it has already stored). Its
+  // first four terms read each element before it is stored.
   std::vector<bool> direct;
 
   void FindDirectOutputs() {
     direct.assign(n_outputs, true);
-    for (int64_t j = 0, later = 0; j < n_outputs; ++j) {
-      later += counts[j];  // the terms of new vectors after j start here
+    for (int64_t j = 0, own = 0; j < n_outputs; own += counts[j++]) {
       for (int64_t i = 0; i < n_inputs; ++i) {
         if (inputs[i] != outputs[j]) continue;
-        for (int64_t t = later; t < n_terms; ++t) direct[j] = direct[j] && terms[t] != i;
+        for (int64_t t = own + std::min<int64_t>(4, counts[j]); t < n_terms; ++t) {
+          direct[j] = direct[j] && terms[t] != i;
+        }
         for (int64_t d : dots) direct[j] = direct[j] && d != i;
       }
     }

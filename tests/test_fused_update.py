@@ -107,6 +107,14 @@ def test_an_output_written_over_an_operand_that_later_terms_and_dots_read():
     assert_dot_close(vv, v, v, np.float64)
     assert_dot_close(pq, p, q - v, np.float64)
 
+    # The vector written over is also a term past the first four of its own combination.
+    def g(a, p, q):
+        v = a * 3.0
+        (out,), _ = fused_update([[(1.0, v), (1.0, p), (2.0, q), (3.0, p), (0.5, v), (-1.0, q)]])
+        return out
+
+    np.testing.assert_allclose(jax.jit(g)(a, p, q), 1.5 * v + 4 * p + q, rtol=1e-13, atol=1e-12)
+
 
 @pytest.mark.max_ranks(2)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, np.int32], ids=["bfloat16", "int32"])
