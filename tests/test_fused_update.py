@@ -166,17 +166,24 @@ def test_derivatives_equal_those_of_the_jnp_step(dtype):
             return jnp.vdot(x, w) + dots[0] * dots[1] + dots[2] + jnp.sum(r)
         return g
 
-    out, tangent = jax.jvp(scalar(step), primals, tangents)
-    ref_out, ref_tangent = jax.jvp(scalar(reference_step), primals, tangents)
+    def jvp(f):
+        return jax.jit(lambda primals, tangents: jax.jvp(scalar(f), primals, tangents))(primals, tangents)
+
+    def vjp(f, ct):
+        return jax.jit(lambda primals, ct: jax.vjp(scalar(f), *primals)[1](ct))(primals, ct)
+
+    (out, tangent), (ref_out, ref_tangent) = jvp(step), jvp(reference_step)
     np.testing.assert_allclose(out, ref_out, rtol=1e-11)
     np.testing.assert_allclose(tangent, ref_tangent, rtol=1e-11)
     ct = jnp.asarray((1.5 - 0.5j) if np.iscomplexobj(out) else 1.5, out.dtype)
-    for c, r in zip(jax.vjp(scalar(step), *primals)[1](ct), jax.vjp(scalar(reference_step), *primals)[1](ct)):
+    for c, r in zip(vjp(step, ct), vjp(reference_step, ct)):
         np.testing.assert_allclose(c, r, rtol=1e-10, atol=1e-10)
     small = [v[:300] for v in primals[:4]] + [primals[4]]
-    check_grads(scalar(step), small, order=2, modes=["fwd", "rev"], rtol=1e-4)
-    # Coefficients held fixed (symbolic zero tangents) and one vector only.
-    check_grads(lambda p: scalar(step)(small[0], p, *small[2:]), small[1:2], order=1, modes=["fwd", "rev"], rtol=1e-4)
+    check_grads(jax.jit(scalar(step)), small, order=1, modes=["fwd", "rev"], rtol=1e-4)
+    if np.iscomplexobj(out):
+        # Coefficients held fixed (symbolic zero tangents), one vector only, and second order.
+        check_grads(jax.jit(lambda p: scalar(step)(small[0], p, *small[2:])), small[1:2], order=2,
+                    modes=["fwd", "rev"], rtol=1e-4)
 
 
 @pytest.mark.max_ranks(2)
