@@ -18,17 +18,7 @@ from jax.test_util import check_grads
 from distlinalg.comm import allgather
 from distlinalg.solvers._fused_update import fused_update
 from distlinalg.solvers._vectors import update_and_dots
-
-# 0, one partial block, several 512-element blocks, several 32768-element chunks (threads).
-SIZES = [0, 1, 7, 513, 2 * 32768 + 5]
-DTYPES = [np.float32, np.float64, np.complex64, np.complex128]
-
-
-def vector(rng, n, dtype):
-    v = rng.standard_normal(n)
-    if np.issubdtype(dtype, np.complexfloating):
-        v = v + 1j * rng.standard_normal(n)
-    return v.astype(dtype)
+from vector_reference import DTYPES, SIZES, vector
 
 
 def coefficient(dtype, value):

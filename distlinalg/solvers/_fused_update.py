@@ -49,8 +49,7 @@ from jax.extend.core import Primitive
 
 from .. import _compat
 from .._compat import ad, batching, mlir
-from ..comm._core import moveaxis_or_broadcast
-from ._local_dots import HANDLER_DTYPES
+from ._local_dots import HANDLER_DTYPES, leading_batch_rule
 
 MAX_OUTPUTS = 8  # new vectors per call (csrc/fused_update.cc: kMaxOutputs)
 
@@ -106,19 +105,12 @@ def _jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any) -> tupl
     return outs, out_tangents
 
 
-def _batch(args: Sequence[Any], dims: Sequence[Any], *, batch_ndim: int, **params: Any) -> tuple[list, list]:
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _compat.not_mapped)
-    moved = [moveaxis_or_broadcast(a, d, 0, size) for a, d in zip(args, dims)]
-    outs = fused_update_p.bind(*moved, batch_ndim=batch_ndim + 1, **params)
-    return outs, [0] * len(outs)
-
-
 fused_update_p.def_abstract_eval(_abstract_eval)
 fused_update_p.def_impl(partial(_compat.apply_primitive, fused_update_p))
 mlir.register_lowering(fused_update_p, _reference_lowering)
 mlir.register_lowering(fused_update_p, _cpu_lowering, platform="cpu")
 ad.primitive_jvps[fused_update_p] = _jvp
-batching.primitive_batchers[fused_update_p] = _batch
+batching.primitive_batchers[fused_update_p] = leading_batch_rule(fused_update_p)
 
 
 def fused_update(

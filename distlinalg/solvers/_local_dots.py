@@ -104,12 +104,19 @@ def _transpose(cts: Sequence[Any], *operands: Any, batch_ndim: int) -> list[Any]
     return result
 
 
-def _batch(args: Sequence[Any], dims: Sequence[Any], *, batch_ndim: int) -> tuple[list, list]:
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _compat.not_mapped)
-    # An unbatched vector is broadcast: read once per batch entry.
-    moved = [moveaxis_or_broadcast(a, d, 0, size) for a, d in zip(args, dims)]
-    outs = local_dots_p.bind(*moved, batch_ndim=batch_ndim + 1)
-    return outs, [0] * len(outs)
+def leading_batch_rule(prim: Primitive) -> Any:
+    """The vmap rule of a primitive whose operands all share ``batch_ndim``
+    leading batch dimensions (local_dots, fused_update): the mapped dimension
+    becomes one more, in front; an unbatched operand is broadcast (read once
+    per batch entry)."""
+
+    def rule(args: Sequence[Any], dims: Sequence[Any], *, batch_ndim: int, **params: Any) -> tuple[list, list]:
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not _compat.not_mapped)
+        moved = [moveaxis_or_broadcast(a, d, 0, size) for a, d in zip(args, dims)]
+        outs = prim.bind(*moved, batch_ndim=batch_ndim + 1, **params)
+        return outs, [0] * len(outs)
+
+    return rule
 
 
 local_dots_p.def_abstract_eval(_abstract_eval)
@@ -118,7 +125,7 @@ mlir.register_lowering(local_dots_p, _reference_lowering)
 mlir.register_lowering(local_dots_p, _cpu_lowering, platform="cpu")
 ad.primitive_jvps[local_dots_p] = _jvp
 ad.primitive_transposes[local_dots_p] = _transpose
-batching.primitive_batchers[local_dots_p] = _batch
+batching.primitive_batchers[local_dots_p] = leading_batch_rule(local_dots_p)
 
 
 def local_dots(pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
