@@ -100,8 +100,9 @@ def run_ranks(nprocs: int, pytest_args: list[str], timeout: float, cache_dir: st
     if nprocs > len(os.sched_getaffinity(0)):
         # Oversubscribed: MPICH's progress loop (MPI_THREAD_MULTIPLE) yields its
         # lock with sched_yield, which leaves a rank that waits spinning on a
-        # core that a compiling rank needs; with nanosleep the 3-rank world on
-        # 2 cores ran 12 % faster (Open MPI's counterpart: mpi_yield_when_idle).
+        # core that a compiling rank needs. With nanosleep, test_gram.py and
+        # test_collectives.py on 3 ranks / 2 cores took 116 s against 132 s (one
+        # A/B; no change at 2 ranks). Open MPI's counterpart: mpi_yield_when_idle.
         env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
     print(f"=== {nprocs} rank(s): {' '.join(cmd)}", flush=True)
     start = time.monotonic()
