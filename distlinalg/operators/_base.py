@@ -57,9 +57,12 @@ class _Static:
     """The static part of an operator (pytree aux data): its attributes by name.
 
     jit compares the aux data of its arguments to decide whether it may reuse
-    a compilation: two flattenings of the same operator (or of copies made by
-    unflattening) hold the very same attribute objects, so they compare equal
-    without comparing closures or structures by value.
+    a compilation. Functions compare by identity (two flattenings of the same
+    operator, or of copies made by unflattening, hold the very same function
+    objects; a closure is never compared by what it captured); values
+    (numbers, strings, dtypes, communicators, and the vector structures: pytrees
+    of ``ShapeDtypeStruct``) by value, so an operator rebuilt with the same
+    functions and new arrays of the same shapes reuses the compilation.
     """
 
     __slots__ = ("items",)
@@ -73,22 +76,31 @@ class _Static:
     def __eq__(self, other: Any) -> bool:
         if not isinstance(other, _Static) or self._key() != other._key():
             return False
-        for name, value in self.items.items():
-            theirs = other.items[name]
-            if value is theirs:
-                continue
-            if isinstance(value, (str, int, float, bool, type(None))) and type(value) is type(theirs):
-                if value != theirs:
-                    return False
-                continue
-            return False
-        return True
+        return all(_same_static(value, other.items[name]) for name, value in self.items.items())
 
     def __hash__(self) -> int:
         return hash(self._key())
 
     def __repr__(self) -> str:
         return f"_Static({sorted(self.items)})"
+
+
+_STATIC_VALUES = (str, int, float, complex, bool, np.dtype, jax.ShapeDtypeStruct, Communicator)
+
+
+def _same_static(a: Any, b: Any) -> bool:
+    """`a` is `b`, or both are equal values, or equal containers of such."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, _STATIC_VALUES):
+        return bool(a == b)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same_static(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_static(a[k], b[k]) for k in a)
+    return False
 
 
 class LinearOperator:
