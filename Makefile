@@ -20,6 +20,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.distlinalg-installed
 RANKS ?= 1 2 3
 PYTEST_ARGS ?=
+# RUN_MPI_ARGS: options of tests/run_mpi.py, e.g. --xla-defaults (compile the MPI worlds with
+# XLA's default CPU code generation instead of its quicker one; see FAST_COMPILE_FLAGS there).
+RUN_MPI_ARGS ?=
 
 ifeq ($(DISTLINALG_MPI),mpich)
   MPI_PACKAGES := mpich mpi4py
@@ -104,7 +107,7 @@ docs: setup $(NETKET_STAMP) $(LINEAX_STAMP) $(DOCS_STAMP)
 WITH_NETKET ?= 1
 WITH_LINEAX ?= 1
 test: setup $(if $(filter 1,$(WITH_NETKET)),$(NETKET_STAMP)) $(if $(filter 1,$(WITH_LINEAX)),$(LINEAX_STAMP))
-	$(BIN)/python tests/run_mpi.py --ranks $(RANKS) -- $(PYTEST_ARGS)
+	$(BIN)/python tests/run_mpi.py --ranks $(RANKS) $(RUN_MPI_ARGS) -- $(PYTEST_ARGS)
 	$(MAKE) test-cuda-emulation
 
 # Correctness at more ranks than `make test` runs: the collective, solver and operator
@@ -117,7 +120,7 @@ SCALE_RANKS ?= 4 8
 SCALE_TESTS ?= tests/test_collectives.py tests/test_p2p.py tests/test_barrier.py tests/test_solvers.py \
 	tests/test_operators.py
 test-scale: setup
-	$(BIN)/python tests/run_mpi.py --no-serial --ranks $(SCALE_RANKS) -- $(SCALE_TESTS) $(PYTEST_ARGS)
+	$(BIN)/python tests/run_mpi.py --no-serial --ranks $(SCALE_RANKS) $(RUN_MPI_ARGS) -- $(SCALE_TESTS) $(PYTEST_ARGS)
 
 # mpi4jax 0.9.1's own test suite against distlinalg.mpi4jax (downloads its sdist from PyPI;
 # not part of `make test`). Reports what passes, and which failures are by design.
@@ -146,9 +149,9 @@ $(CUDA_STUB): tests/cuda_driver_stub.c
 test-cuda-emulation: setup $(CUDA_STUB)
 	@if $(BIN)/python -c "import sys, distlinalg._mpi as m; sys.exit(0 if m.BUILD_INFO['cuda'] else 1)" 2>/dev/null; then \
 	  echo "=== CUDA handlers, host-staged (emulated)"; \
-	  $(EMULATION) DISTLINALG_CUDA_AWARE=0 DISTLINALG_CUDA_STAGING_CHUNK=1K $(BIN)/python tests/run_mpi.py --ranks $(EMULATION_RANKS) -- $(EMULATION_TESTS) $(EMULATION_PYTEST_ARGS) && \
+	  $(EMULATION) DISTLINALG_CUDA_AWARE=0 DISTLINALG_CUDA_STAGING_CHUNK=1K $(BIN)/python tests/run_mpi.py --ranks $(EMULATION_RANKS) $(RUN_MPI_ARGS) -- $(EMULATION_TESTS) $(EMULATION_PYTEST_ARGS) && \
 	  echo "=== CUDA handlers, CUDA-aware (emulated)" && \
-	  $(EMULATION) DISTLINALG_CUDA_AWARE=1 $(BIN)/python tests/run_mpi.py --ranks $(EMULATION_RANKS) -- $(EMULATION_TESTS) $(EMULATION_PYTEST_ARGS); \
+	  $(EMULATION) DISTLINALG_CUDA_AWARE=1 $(BIN)/python tests/run_mpi.py --ranks $(EMULATION_RANKS) $(RUN_MPI_ARGS) -- $(EMULATION_TESTS) $(EMULATION_PYTEST_ARGS); \
 	else echo "=== CUDA handlers not built: emulation tests skipped"; fi
 
 # Build test: the extension as built where no cuda.h exists compiles, imports,
