@@ -338,6 +338,24 @@ TypeInfo MpiType(ffi::DataType dtype) {
 MPI_Op MpiOp(ReduceOp op, ffi::DataType dtype) {
   using DT = ffi::DataType;
   bool complex = dtype == DT::C64 || dtype == DT::C128;
+  bool floating = complex || dtype == DT::F16 || dtype == DT::BF16 || dtype == DT::F32 || dtype == DT::F64;
+  if (op >= ReduceOp::kBand && op <= ReduceOp::kLxor) {
+    if (floating) return MPI_OP_NULL;
+    if (dtype == DT::PRED) {  // MPI's bitwise ops do not take MPI_C_BOOL; on bools they are the logical ones
+      if (op == ReduceOp::kBand || op == ReduceOp::kLand) return MPI_LAND;
+      if (op == ReduceOp::kBor || op == ReduceOp::kLor) return MPI_LOR;
+      return MPI_LXOR;
+    }
+    switch (op) {
+      case ReduceOp::kBand: return MPI_BAND;
+      case ReduceOp::kBor: return MPI_BOR;
+      case ReduceOp::kBxor: return MPI_BXOR;
+      case ReduceOp::kLand: return MPI_LAND;
+      case ReduceOp::kLor: return MPI_LOR;
+      default: return MPI_LXOR;
+    }
+  }
+  if (op < ReduceOp::kSum || op > ReduceOp::kMax) return MPI_OP_NULL;
   if (dtype == DT::F16 || dtype == DT::BF16) {
     InitHalfTypes();
     return half_ops[static_cast<int>(op)];
@@ -359,8 +377,8 @@ MPI_Op MpiOp(ReduceOp op, ffi::DataType dtype) {
     case ReduceOp::kProd: return MPI_PROD;
     case ReduceOp::kMin: return complex ? MPI_OP_NULL : MPI_MIN;
     case ReduceOp::kMax: return complex ? MPI_OP_NULL : MPI_MAX;
+    default: return MPI_OP_NULL;
   }
-  return MPI_OP_NULL;
 }
 
 const char* DtypeName(ffi::DataType dtype) {
@@ -391,6 +409,12 @@ const char* OpName(ReduceOp op) {
     case ReduceOp::kProd: return "prod";
     case ReduceOp::kMin: return "min";
     case ReduceOp::kMax: return "max";
+    case ReduceOp::kBand: return "band";
+    case ReduceOp::kBor: return "bor";
+    case ReduceOp::kBxor: return "bxor";
+    case ReduceOp::kLand: return "land";
+    case ReduceOp::kLor: return "lor";
+    case ReduceOp::kLxor: return "lxor";
   }
   return "?";
 }

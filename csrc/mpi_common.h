@@ -24,7 +24,11 @@ namespace ffi = xla::ffi;
 
 // ---------------------------------------------------------------------------
 // Operation codes shared with Python (distlinalg/_mpi.py keeps the same table).
-enum class ReduceOp : int32_t { kSum = 0, kProd = 1, kMin = 2, kMax = 3 };
+// The bitwise and logical ones take integer and bool buffers only (checked in Python).
+enum class ReduceOp : int32_t {
+  kSum = 0, kProd = 1, kMin = 2, kMax = 3,
+  kBand = 4, kBor = 5, kBxor = 6, kLand = 7, kLor = 8, kLxor = 9,
+};
 
 // ---------------------------------------------------------------------------
 // Communicator handles travel through XLA as int64 attributes. MPICH's

@@ -375,31 +375,48 @@ def resolve_comm(comm: Any) -> Communicator:
 class ReduceOp(enum.IntEnum):
     """Reduction operators; values match csrc/mpi_common.h.
 
-    Every ``op`` argument also takes them, as it takes ``"sum"`` ... ``"max"``
-    and ``MPI.SUM`` ... ``MPI.MAX``.
+    Every ``op`` argument also takes them, as it takes ``"sum"`` ... ``"max"``,
+    ``"band"`` ... ``"lxor"`` and the mpi4py ops (``MPI.SUM`` ... ``MPI.LXOR``).
+    The bitwise and logical ones (BAND, BOR, BXOR, LAND, LOR, LXOR) take
+    integer and bool arrays, as MPI's do (on bools the bitwise ones are the
+    logical ones); their results have no derivative (integer outputs).
 
     Example:
       >>> import jax.numpy as jnp
       >>> from distlinalg import comm
       >>> comm.allreduce(jnp.ones(2), comm.ReduceOp.MAX).tolist()   # as op="max" or MPI.MAX
       [1.0, 1.0]
+      >>> comm.allreduce(jnp.array([1, 2], jnp.int32), "bor").tolist()  # as MPI.BOR
+      [1, 2]
     """
 
     SUM = 0
     PROD = 1
     MIN = 2
     MAX = 3
+    BAND = 4
+    BOR = 5
+    BXOR = 6
+    LAND = 7
+    LOR = 8
+    LXOR = 9
 
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
 
+    @property
+    def is_bitwise_or_logical(self) -> bool:
+        """BAND ... LXOR: integer and bool arrays only, nothing to differentiate."""
+        return self >= ReduceOp.BAND
 
-_OP_NAMES = {"sum": ReduceOp.SUM, "prod": ReduceOp.PROD, "min": ReduceOp.MIN, "max": ReduceOp.MAX}
-_MPI_OPS = ((MPI.SUM, ReduceOp.SUM), (MPI.PROD, ReduceOp.PROD), (MPI.MIN, ReduceOp.MIN), (MPI.MAX, ReduceOp.MAX))
+
+_OP_NAMES = {op.name.lower(): op for op in ReduceOp}
+_MPI_OPS = tuple((getattr(MPI, op.name), op) for op in ReduceOp)
 
 
 def resolve_op(op: Any) -> ReduceOp:
-    """'sum' | 'prod' | 'min' | 'max', an mpi4py op (MPI.SUM, ...) or a ReduceOp."""
+    """'sum' | 'prod' | 'min' | 'max' | 'band' | 'bor' | 'bxor' | 'land' | 'lor' | 'lxor',
+    the mpi4py op of the same name (MPI.SUM, ...) or a ReduceOp."""
     if isinstance(op, ReduceOp):
         return op
     if isinstance(op, str):
@@ -407,7 +424,7 @@ def resolve_op(op: Any) -> ReduceOp:
         if found is None:
             raise ValueError(
                 f"distlinalg: unknown reduction op {op!r}; use one of "
-                f"{sorted(_OP_NAMES)} or MPI.SUM / MPI.PROD / MPI.MIN / MPI.MAX"
+                f"{list(_OP_NAMES)} or the mpi4py op of that name (MPI.SUM, ...)"
             )
         return found
     if isinstance(op, MPI.Op):
@@ -415,8 +432,8 @@ def resolve_op(op: Any) -> ReduceOp:
             if op == mpi_op:
                 return ours
         raise ValueError(
-            "distlinalg: unsupported mpi4py op; only MPI.SUM, MPI.PROD, MPI.MIN and "
-            "MPI.MAX have differentiation rules"
+            "distlinalg: unsupported mpi4py op (user-defined, MPI.MINLOC/MAXLOC, MPI.REPLACE or "
+            f"MPI.NO_OP); the predefined reductions are {', '.join('MPI.' + o.name for o in ReduceOp)}"
         )
     raise TypeError(f"distlinalg: op must be a string or an mpi4py MPI.Op, got {op!r}")
 
@@ -449,10 +466,15 @@ def _check_dtype(dtype: np.dtype, opname: str, op: ReduceOp | None) -> None:
     if dtype == np.bool_ and op in (ReduceOp.SUM, ReduceOp.PROD):
         raise TypeError(
             f"distlinalg.{opname}: op {op.name.lower()} is not defined for bool; use "
-            "'max' (logical or) or 'min' (logical and), or cast to an integer type"
+            "'lor' (or 'max') or 'land' (or 'min'), or cast to an integer type"
         )
     if np.issubdtype(dtype, np.complexfloating) and op in (ReduceOp.MIN, ReduceOp.MAX):
         raise TypeError(f"distlinalg.{opname}: op {op.name.lower()} is not defined for complex dtypes")
+    if op.is_bitwise_or_logical and jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+        raise TypeError(
+            f"distlinalg.{opname}: op {op.name.lower()} takes integer and bool arrays (as MPI's "
+            f"does), not {dtype}"
+        )
 
 
 def check_rank(value: Any, comm: Communicator, what: str, opname: str, *, allow_proc_null: bool = False) -> int:

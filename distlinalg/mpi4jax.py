@@ -110,7 +110,9 @@ def allreduce(x: Any, op: Any, *, comm: Any = None, token: Any = _NOTSET) -> Any
 
     Args:
       x: array or scalar, same shape and dtype on every rank.
-      op: ``MPI.SUM``, ``MPI.PROD``, ``MPI.MIN``, ``MPI.MAX`` (or their names).
+      op: ``MPI.SUM``, ``MPI.PROD``, ``MPI.MIN``, ``MPI.MAX``, ``MPI.BAND``,
+        ``MPI.BOR``, ``MPI.BXOR``, ``MPI.LAND``, ``MPI.LOR``, ``MPI.LXOR`` (or their
+        names); the bitwise and logical ones take integer and bool arrays.
       comm: mpi4py intracommunicator (default: distlinalg's duplicate of
         ``COMM_WORLD``).
 

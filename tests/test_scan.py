@@ -239,7 +239,7 @@ def test_bad_input_raises_on_every_rank(comm, rank, size):
     with pytest.raises(ValueError, match="unknown reduction op"):
         scan(jnp.ones(2), "mean", comm=comm)
     with pytest.raises(ValueError, match="unsupported mpi4py op"):
-        exscan(jnp.ones(2), MPI.LAND, comm=comm)
+        exscan(jnp.ones(2), MPI.MINLOC, comm=comm)
     with pytest.raises(TypeError, match="op must be a string"):
         scan(jnp.ones(2), 3, comm=comm)
     with pytest.raises(TypeError, match="unsupported dtype"):

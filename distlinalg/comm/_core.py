@@ -313,6 +313,18 @@ def check_leading_dim(a: Any, comm: Communicator, opname: str) -> None:
         )
 
 
+_LOGICAL_OPS = (_mpi.ReduceOp.LAND, _mpi.ReduceOp.LOR, _mpi.ReduceOp.LXOR)
+
+
+def truth_values(x: Any, op: _mpi.ReduceOp | None) -> Any:
+    """`x` as a logical reduction takes it: LAND, LOR and LXOR of integers give 0 or 1,
+    but MPI returns a lone contribution (one rank's, rank 0's inclusive scan) as it is,
+    so integer operands enter as 0/1 and every rank count gives the same answer."""
+    if op in _LOGICAL_OPS and jnp.issubdtype(x.dtype, jnp.integer):
+        return (x != 0).astype(x.dtype)
+    return x
+
+
 def apply_collective(
     prim: Primitive,
     x: Any,
@@ -343,7 +355,7 @@ def apply_collective(
             program = _eager_programs[key] = _compiled(_eager_twins[prim], tuple(sorted({**params, "comm": comm}.items())))
         if one_block_per_rank:
             check_leading_dim(x, comm, opname)
-        return run_eager(program, (x,))[0]
+        return run_eager(program, (truth_values(x, op),))[0]
     if isinstance(x, jax.Array):
         leaves, treedef = [x], None
     else:
@@ -353,7 +365,7 @@ def apply_collective(
         _mpi.check_dtype(a.dtype, opname, op)
         if one_block_per_rank:
             check_leading_dim(a, comm, opname)
-    outs = [bind(prim, a, comm=comm, **params) for a in arrays]
+    outs = [bind(prim, truth_values(a, op), comm=comm, **params) for a in arrays]
     return outs[0] if treedef is None else jax.tree_util.tree_unflatten(treedef, outs)
 
 

@@ -33,6 +33,8 @@ _core.register_lowering(
 def _allreduce_jvp(primals, tangents, *, comm: Communicator, op: ReduceOp):
     (x,), (t,) = primals, tangents
     y = allreduce_p.bind(x, comm=comm, op=op)
+    if op.is_bitwise_or_logical:  # integer and bool results: nothing to differentiate
+        return y, ad.Zero.from_primal_value(y)
     t = _core.instantiate(t)
     if op == ReduceOp.PROD:
         t = product_of_others(x, comm) * t
@@ -99,9 +101,11 @@ def allreduce(x: Any, op: Any = "sum", *, comm: Any = None) -> Any:
 
     Args:
       x: an array or a pytree of arrays, the same shapes and dtypes on every rank.
-      op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"`` or the mpi4py objects
-        ``MPI.SUM`` ... ``MPI.MAX``. bool accepts min (and) and max (or);
-        complex accepts sum and prod.
+      op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"band"``, ``"bor"``,
+        ``"bxor"``, ``"land"``, ``"lor"``, ``"lxor"``, or the mpi4py objects
+        ``MPI.SUM`` ... ``MPI.LXOR``. bool accepts min (and), max (or) and
+        the logical ops; complex accepts sum and prod; the bitwise and
+        logical ops take integers and bool (no derivative: integer results).
       comm: an mpi4py intracommunicator; default: distlinalg's private
         duplicate of ``MPI.COMM_WORLD``.
 

@@ -32,8 +32,9 @@ def tree_allreduce(tree: Any, op: Any = "sum", *, comm: Any = None) -> Any:
     Args:
       tree: a pytree of arrays, the same structure, shapes and dtypes on every
         rank.
-      op: ``"sum"`` (default), ``"prod"``, ``"min"``, ``"max"`` or the mpi4py
-        objects ``MPI.SUM`` ... ``MPI.MAX``, with allreduce's dtype rules.
+      op: ``"sum"`` (default), ``"prod"``, ``"min"``, ``"max"``, the bitwise and
+        logical ops (``"band"`` ... ``"lxor"``) or the mpi4py objects
+        ``MPI.SUM`` ... ``MPI.LXOR``, with allreduce's dtype rules.
       comm: an mpi4py intracommunicator; default: distlinalg's private
         duplicate of ``MPI.COMM_WORLD``.
 
@@ -58,6 +59,7 @@ def tree_allreduce(tree: Any, op: Any = "sum", *, comm: Any = None) -> Any:
     leaves = [_core.as_array(leaf) for leaf in leaves]
     for leaf in leaves:  # every leaf checked before the first message
         check_dtype(leaf.dtype, "tree_allreduce", op)
+    leaves = [_core.truth_values(leaf, op) for leaf in leaves]
     if comm.size == 1:
         return jax.tree_util.tree_unflatten(treedef, leaves)
     out = list(leaves)

@@ -325,6 +325,7 @@ def _start_all(start: str, x: Any, comm: Communicator, **params: Any) -> Request
     leaves = [_core.as_array(leaf) for leaf in leaves]
     for leaf in leaves:  # every leaf checked before anything is posted
         check_dtype(leaf.dtype, start, params.get("op"))
+    leaves = [_core.truth_values(leaf, params.get("op")) for leaf in leaves]
     keys = _new_keys(len(leaves))
     markers = tuple(_bind_start(start, leaf, comm=comm, key=k, **params) for leaf, k in zip(leaves, keys))
     _note_eager_start(start, keys)
@@ -350,7 +351,8 @@ def iallreduce(x: Any, op: Any = "sum", *, comm: Any = None) -> Request:
 
     Args:
       x: array or pytree of arrays, the same shapes and dtypes on every rank.
-      op: "sum" (default), "prod", "max" or "min" (or an MPI.Op of those).
+      op: "sum" (default), "prod", "max", "min", the bitwise and logical ops
+        ("band" ... "lxor"), or an MPI.Op of those, with allreduce's dtype rules.
       comm: communicator (default distlinalg's).
 
     Returns:

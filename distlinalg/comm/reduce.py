@@ -29,6 +29,8 @@ _core.register_lowering(
 def _reduce_jvp(primals, tangents, *, comm: Communicator, op: ReduceOp, root: int):
     (x,), (t,) = primals, tangents
     y = reduce_p.bind(x, comm=comm, op=op, root=root)
+    if op.is_bitwise_or_logical:  # integer and bool results: nothing to differentiate
+        return y, ad.Zero.from_primal_value(y)
     t = _core.instantiate(t)
     if op == ReduceOp.PROD:
         t = product_of_others(x, comm) * t
@@ -61,7 +63,8 @@ def reduce(x: Any, op: Any, *, root: int = 0, comm: Any = None) -> Any:
 
     Args:
       x: array or pytree, same shapes and dtypes on every rank.
-      op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"`` or ``MPI.SUM`` ... .
+      op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, the bitwise and logical ops
+        (``"band"`` ... ``"lxor"``) or ``MPI.SUM`` ... ``MPI.LXOR``, with allreduce's dtype rules.
       root: the receiving rank (a static int).
       comm: mpi4py intracommunicator (default distlinalg's).
 

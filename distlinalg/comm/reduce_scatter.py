@@ -72,6 +72,8 @@ def _product_of_others(x: Any, comm: Communicator) -> Any:
 def _reduce_scatter_jvp(primals, tangents, *, comm: Communicator, op: ReduceOp):
     (x,), (t,) = primals, tangents
     y = _rs(x, comm, op)
+    if op.is_bitwise_or_logical:  # integer and bool results: nothing to differentiate
+        return y, ad.Zero.from_primal_value(y)
     t = _core.instantiate(t)
     if op == ReduceOp.SUM:
         return y, _rs(t, comm, ReduceOp.SUM)
@@ -110,9 +112,9 @@ def reduce_scatter(x: Any, op: Any = "sum", *, comm: Any = None) -> Any:
       x: array or pytree of arrays of shape ``(size, *s)``, the same shapes and
         dtypes on every rank; block ``x[r]`` is this rank's contribution to
         rank r's result.
-      op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"`` or the mpi4py objects
-        ``MPI.SUM`` ... ``MPI.MAX``. bool accepts min (and) and max (or);
-        complex accepts sum and prod.
+      op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, the bitwise and logical
+        ops (``"band"`` ... ``"lxor"``) or the mpi4py objects ``MPI.SUM`` ...
+        ``MPI.LXOR``, with allreduce's dtype rules.
       comm: an mpi4py intracommunicator; default: distlinalg's private
         duplicate of ``MPI.COMM_WORLD``.
 

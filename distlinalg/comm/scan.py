@@ -71,8 +71,12 @@ _core.register_lowering(
 def identity_of(op: ReduceOp, dtype: Any) -> Any:
     """The neutral element of op for dtype (rank 0's exscan result)."""
     dtype = np.dtype(dtype)
-    if op == ReduceOp.SUM:
+    if op in (ReduceOp.SUM, ReduceOp.BOR, ReduceOp.BXOR, ReduceOp.LOR, ReduceOp.LXOR):
         return np.zeros((), dtype)
+    if op == ReduceOp.LAND:
+        return np.ones((), dtype)
+    if op == ReduceOp.BAND:  # every bit set
+        return np.array(True) if dtype == np.bool_ else np.array(-1).astype(dtype)
     if op == ReduceOp.PROD:
         return np.ones((), dtype)
     if dtype == np.bool_:
@@ -178,6 +182,8 @@ def _add(a, b):
 def _scan_jvp(primals, tangents, *, comm: Communicator, op: ReduceOp, exclusive: bool):
     (x,), (t,) = primals, tangents
     y = _scan_value(x, comm, op, exclusive)
+    if op.is_bitwise_or_logical:  # integer and bool results: nothing to differentiate
+        return y, ad.Zero.from_primal_value(y)
     t = _core.instantiate(t)
     if op == ReduceOp.SUM:
         return y, _scan_value(t, comm, op, exclusive)
@@ -220,7 +226,7 @@ def _api(x: Any, op: Any, comm: Any, exclusive: bool) -> Any:
     leaves = [_core.as_array(a) for a in leaves]
     for a in leaves:  # every check before the first collective
         check_dtype(a.dtype, name, op)
-    out = [_scan_value(a, comm, op, exclusive) for a in leaves]
+    out = [_scan_value(_core.truth_values(a, op), comm, op, exclusive) for a in leaves]
     return jax.tree_util.tree_unflatten(tree, out)
 
 
@@ -231,8 +237,9 @@ def scan(x: Any, op: Any = "sum", *, comm: Any = None) -> Any:
       x: array or pytree of arrays, the same shapes and dtypes on every rank.
         The reduction is elementwise (rank r's entry i combines entry i of
         ranks 0..r).
-      op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"`` or ``MPI.SUM`` ...
-        ``MPI.MAX``. bool takes min (and) and max (or); complex sum and prod.
+      op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, the bitwise and logical ops
+        (``"band"`` ... ``"lxor"``) or ``MPI.SUM`` ... ``MPI.LXOR``, with
+        allreduce's dtype rules.
       comm: mpi4py intracommunicator (default distlinalg's).
 
     Returns:
