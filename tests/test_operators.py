@@ -438,3 +438,20 @@ def test_operator_layout_reaches_the_solver(comm, rank, size):
         dl.cg(op, b, layout="replicated", comm=comm)
     with pytest.raises(NotImplementedError, match="does not know its diagonal"):
         ops.LinearOperator(lambda v: v, comm=comm).diagonal()
+
+
+def test_a_matvec_that_does_not_match_output_structure_is_named(comm):
+    """A rectangular matvec without output_structure (which defaults to input_structure) fails at
+    its first product with a message that says so, eagerly and in jit, on every rank."""
+    from distlinalg.operators import LinearOperator
+
+    W = jnp.arange(12.0).reshape(4, 3)
+    op = LinearOperator(lambda d, v: d @ v, data=W, input_structure=jnp.zeros(3), comm=comm)
+    for apply in (lambda v: op @ v, jax.jit(lambda v: op @ v)):
+        with pytest.raises(ValueError, match=r"maps float\d+\[3\] to float\d+\[4\].*pass output_structure="):
+            apply(jnp.ones(3))
+    fixed = LinearOperator(lambda d, v: d @ v, data=W, input_structure=jnp.zeros(3),
+                           output_structure=jnp.zeros(4), comm=comm)
+    np.testing.assert_allclose(fixed @ jnp.ones(3), W.sum(axis=1))
+    np.testing.assert_allclose(fixed.T @ jnp.ones(4), W.sum(axis=0))
+    np.testing.assert_allclose(fixed.to_dense(), W)

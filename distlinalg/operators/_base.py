@@ -37,6 +37,20 @@ def _conj(tree: Any) -> Any:
     return jax.tree_util.tree_map(jnp.conj, tree)
 
 
+def _shapes(tree: Any) -> tuple[Any, tuple[tuple[int, ...], ...]] | None:
+    """A vector's tree structure and leaf shapes (None for no structure)."""
+    if tree is None:
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple(tuple(jnp.shape(leaf)) for leaf in leaves)
+
+
+def _describe(tree: Any) -> str:
+    leaves = jax.tree_util.tree_leaves(tree)
+    shapes = ", ".join(f"{jnp.result_type(leaf)}{list(jnp.shape(leaf))}" for leaf in leaves)
+    return shapes if len(leaves) == 1 else f"{jax.tree_util.tree_structure(tree)} of ({shapes})"
+
+
 def _is_complex(structure: Any) -> bool:
     return any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in jax.tree_util.tree_leaves(structure))
 
@@ -234,7 +248,18 @@ class LinearOperator:
           >>> A.matvec(jnp.array([1.0, 1.0]))
           Array([3., 7.], dtype=float32)
         """
-        return self._matvec(self._data, v) if self._bound else self._matvec(v)
+        out = self._matvec(self._data, v) if self._bound else self._matvec(v)
+        if self.output_structure is not None and _shapes(v) == _shapes(self.input_structure):
+            if _shapes(out) != _shapes(self.output_structure):
+                # (output_structure defaults to input_structure: a rectangular
+                # matvec without it would otherwise fail later, inside JAX.)
+                raise ValueError(
+                    f"distlinalg.operators: {self.name}'s matvec maps {_describe(v)} to {_describe(out)}, "
+                    f"but its output_structure is {_describe(self.output_structure)}"
+                    + ("" if self.output_structure is not self.input_structure else
+                       " (it defaults to input_structure: pass output_structure= for a rectangular operator)")
+                )
+        return out
 
     def __call__(self, v: Any) -> Any:
         return self.matvec(v)
