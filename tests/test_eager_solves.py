@@ -15,7 +15,6 @@ import pytest
 
 import distlinalg as dl
 from distlinalg.operators import aslinearoperator
-from conftest import gather_global
 
 N = 12
 SOLVERS = {"cg": dl.cg, "minres": dl.minres, "gmres": dl.gmres, "bicgstab": dl.bicgstab}
@@ -207,3 +206,21 @@ def test_arrays_captured_inside_a_nested_jit_are_not_hidden_in_the_key(comm):
         matvec = jax.jit(lambda v: d * v)  # noqa: E731 (jitted afresh, over this call's d)
         x, info = dl.cg(matvec, b, rtol=1e-10, comm=comm)
         np.testing.assert_allclose(x, b / (base * k), rtol=1e-6, err_msg=f"call {k}")
+
+
+def test_a_user_operator_class_reading_its_own_state(comm):
+    """A user's subclass of LinearOperator (a pytree node type of the user's) whose matvec reads
+    a class attribute: not keyed by its static data, so every call sees the attribute's value."""
+    from distlinalg.operators import LinearOperator
+
+    class Scaled(LinearOperator):
+        scale = 1.0
+
+        def matvec(self, v):
+            return self.scale * super().matvec(v)
+
+    A = Scaled(jnp.positive, input_structure=jnp.zeros(3), comm=comm)  # a library function: only the class is the user's
+    for k in range(1, 5):
+        Scaled.scale = float(k)
+        x, _ = dl.cg(A, np.ones(3), rtol=1e-10, comm=comm)
+        np.testing.assert_allclose(x, np.full(3, 1.0 / k), rtol=1e-6, err_msg=f"call {k}")

@@ -35,6 +35,7 @@ trace (jit, grad, vmap) the solver is called directly.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import types
@@ -147,6 +148,7 @@ def compiled_when_eager(solver: Callable[..., Any]) -> Callable[..., Any]:
 # Static data that is a value: it fixes what the program computes.
 _VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, type, np.dtype, np.generic, np.ndarray,
                 jax.ShapeDtypeStruct, Communicator)
+_CONTAINERS = (tuple, list, dict, type(None), collections.OrderedDict, collections.defaultdict)
 _MAX_DEPTH = 32
 
 
@@ -169,7 +171,11 @@ def _fixes_the_computation(static: Any, depth: int = 0) -> bool:
     if isinstance(static, dict):
         return all(deeper(item) for item in static.values())
     if isinstance(static, jax.tree_util.PyTreeDef):
+        # A node's type counts too: a user's pytree class (a subclass of
+        # LinearOperator, an equinox module) runs its own methods on its leaves.
         node = static.node_data()
+        if node is not None and not (node[0] in _CONTAINERS or _is_library_type(node[0])):
+            return False
         return (node is None or deeper(node[1])) and all(deeper(child) for child in static.children())
     if callable(static) and not isinstance(static, type) and _is_library_function(static):
         return True
@@ -177,7 +183,7 @@ def _fixes_the_computation(static: Any, depth: int = 0) -> bool:
         return deeper(static.func) and deeper(static.args) and deeper(static.keywords)
     if isinstance(static, types.MethodType):
         return deeper(static.__func__) and deeper(static.__self__)
-    if not type(static).__module__.startswith("distlinalg."):
+    if not _is_library_type(type(static)):
         return False
     if dataclasses.is_dataclass(static):
         return all(deeper(getattr(static, f.name)) for f in dataclasses.fields(static))
@@ -185,6 +191,10 @@ def _fixes_the_computation(static: Any, depth: int = 0) -> bool:
     if hasattr(static, "__dict__"):
         names += list(vars(static))
     return all(deeper(getattr(static, n)) for n in names if hasattr(static, n))
+
+
+def _is_library_type(cls: type) -> bool:
+    return (getattr(cls, "__module__", None) or "").startswith(("distlinalg.", "jax."))
 
 
 def _is_library_function(fn: Any) -> bool:
