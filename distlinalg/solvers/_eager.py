@@ -126,7 +126,7 @@ def compiled_when_eager(solver: Callable[..., Any]) -> Callable[..., Any]:
             # A key's first call runs op by op: a key that never repeats (an
             # operator made afresh with new static data for every call) must
             # not pay for a compilation, ~2x one op-by-op run.
-            if key is not None and _state_of(programs, key) == UNSEEN and _hashable(key):
+            if key is not None and _hashable(key) and key not in programs:
                 programs[key] = None
                 if len(programs) > PROGRAMS:
                     programs.popitem(last=False)
