@@ -70,8 +70,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._mpi import resolve_comm
-from .comm import allgather, allreduce, bcast
+from .._mpi import resolve_comm
+from ..comm import allgather, allreduce, bcast
 
 __all__ = ["SR", "MCState", "statistics", "Statistics", "rank", "size"]
 
@@ -378,6 +378,35 @@ def _energy_and_force(apply_fun: Callable, comm: Any, params: Any, model_state: 
     return stats, force
 
 
+@jax.jit
+def _parameter_digest(params: Any) -> jax.Array:
+    """(h, −h) with h a 31-bit digest of the parameters' bits: Σ_i w_i (2i + 1) mod 2³¹ over
+    their 32-bit words w_i (a change of any one word changes h), leaf after leaf."""
+    h = jnp.uint32(0)
+    for position, leaf in enumerate(jax.tree_util.tree_leaves(params)):
+        x = jnp.asarray(leaf)
+        if jnp.iscomplexobj(x):
+            x = jnp.stack([jnp.real(x), jnp.imag(x)])
+        words = jax.lax.bitcast_convert_type(x.reshape(-1), jnp.uint32).reshape(-1)
+        odd = (2 * jnp.arange(words.size, dtype=jnp.uint32) + 1) * jnp.uint32(2 * position + 1)
+        h = h + jnp.sum(words * odd, dtype=jnp.uint32)
+    h = (h & jnp.uint32(0x7FFFFFFF)).astype(jnp.int32)
+    return jnp.stack([h, -h])
+
+
+def _check_replicated(params: Any, comm: Any, update: int) -> None:
+    """Raise, on every rank, when the parameters differ between ranks: one allreduce
+    (max) of two int32 (h, −h) gives max h and −min h."""
+    extremes = np.asarray(allreduce(_parameter_digest(params), "max", comm=comm))
+    if extremes[0] != -extremes[1]:
+        raise RuntimeError(
+            f"distlinalg.netket.MCState: after parameter update {update} the parameters differ between ranks "
+            "(a digest of their bits is not the same on every rank). Some step computed its update from one "
+            "rank's samples: use nk.driver.VMC (with nk.optimizer.SR or distlinalg.netket.SR) or "
+            "nk.driver.VMC_SR, and set the parameters identically on every rank. "
+            "(MCState(..., check_parameters=False) turns this check off.)")
+
+
 def _force_to_grad(force: Any, params: Any) -> Any:
     """NetKet's gradient: 2 Re F for real parameters, 2 F for complex ones."""
     return jax.tree_util.tree_map(
@@ -393,10 +422,13 @@ def _make_mcstate() -> type:
     class MCState(base):  # noqa: D401 - the docstring is set below
         def __init__(self, sampler: Any, model: Any = None, *, n_samples: int | None = None,
                      n_samples_per_rank: int | None = None, seed: Any = None, sampler_seed: Any = None,
-                     comm: Any = None, **kwargs: Any):
+                     comm: Any = None, check_parameters: bool = True, **kwargs: Any):
             # Needed by the n_samples setters, which NetKet's __init__ calls.
             self._distlinalg_comm = c = resolve_comm(comm)
             self._distlinalg_local_energies = None
+            # The replicated-parameter check starts once the parameters are broadcast below.
+            self._distlinalg_check = False
+            self._distlinalg_updates = 0
             if seed is None:  # one random seed for all ranks, drawn on rank 0
                 drawn = np.random.default_rng().integers(2**31) if c.rank == 0 else 0
                 seed = int(bcast(jnp.asarray(drawn, jnp.int32), comm=c)) if c.size > 1 else int(drawn)
@@ -412,6 +444,30 @@ def _make_mcstate() -> type:
                              seed=seed, sampler_seed=key, **kwargs)
             if c.size > 1:  # identical parameters whatever the initialisation did
                 self.variables = bcast(self.variables, comm=c)
+            self._distlinalg_check = bool(check_parameters) and c.size > 1
+
+        # parameters: replicated, and checked to stay so ---------------------------------------
+        @property
+        def parameters(self) -> Any:
+            return base.parameters.fget(self)
+
+        @parameters.setter
+        def parameters(self, pars: Any) -> None:
+            base.parameters.fset(self, pars)
+            if getattr(self, "_distlinalg_check", False):
+                self._distlinalg_updates += 1
+                _check_replicated(self._parameters, self._distlinalg_comm, self._distlinalg_updates)
+
+        def quantum_geometric_tensor(self, qgt_T: Any = None) -> Any:
+            """NetKet's QGT of type `qgt_T` (``QGTAuto`` when None, ``QGTOnTheFly``,
+            ``QGTJacobianDense``, ``QGTJacobianPyTree`` or a partial of one) over every
+            rank's samples; products, solves and ``to_dense()`` are identical on every rank."""
+            from ._qgt import distributed_qgt
+
+            return distributed_qgt(self, qgt_T)
+
+        def _distlinalg_statistics(self, values: Any) -> Any:
+            return jax.block_until_ready(_statistics_jit(values, comm=self._distlinalg_comm))
 
         # sample counts ------------------------------------------------------------------
         @property
@@ -459,8 +515,7 @@ def _make_mcstate() -> type:
             # Waited for: in `E = vstate.expect(H); if rank == 0: print(E)` the other ranks
             # never read E, and a collective still queued when such a rank reaches the end
             # of its program would meet distlinalg's end-of-program check instead.
-            return jax.block_until_ready(
-                _statistics_jit(self._distlinalg_local_values(O), comm=self._distlinalg_comm))
+            return self._distlinalg_statistics(self._distlinalg_local_values(O))
 
         def expect_and_forces(self, O: Any, *, mutable: Any = None) -> tuple[Any, Any]:
             """(statistics of ⟨O⟩, F = Cov(∂ log ψ, O_loc)) over all ranks' samples."""
@@ -488,6 +543,9 @@ def _make_mcstate() -> type:
             stats, force = self.expect_and_forces(O, mutable=mutable)
             return stats, _force_to_grad(force, self.parameters)
 
+    from . import _paths
+
+    _paths.install()
     MCState.__name__ = MCState.__qualname__ = "MCState"
     MCState.__module__ = __name__
     MCState.__doc__ = _MCSTATE_DOC
