@@ -78,6 +78,11 @@ def sr_update(apply_fun: Any, local_energies: jax.Array, params: Any, model_stat
     O, dv = centred_rows(jac, local_energies, n_total, comm, mode)
     if old_updates is None and momentum is not None:
         old_updates = jnp.zeros(O.shape[-1], O.dtype)
+    # NetKet keeps the on-the-fly NTK's momentum buffer as a pytree of the real
+    # parameters; its ravelled form is the order of the dense Jacobian's columns.
+    buffer_layout = None
+    if old_updates is not None and not hasattr(old_updates, "ndim"):
+        old_updates, buffer_layout = ravel_pytree(old_updates)
     if not use_ntk:
         if proj_reg is not None:
             raise ValueError("proj_reg not implemented for SR")
@@ -108,6 +113,8 @@ def sr_update(apply_fun: Any, local_energies: jax.Array, params: Any, model_stat
         if momentum is not None:
             updates = updates + momentum * old_updates
             old_updates = updates
+    if buffer_layout is not None:
+        old_updates = buffer_layout(old_updates)
     if mode == "complex" and jnp.iscomplexobj(flat_params):
         half = updates.shape[-1] // 2
         updates = updates[:half] + 1j * updates[half:]
