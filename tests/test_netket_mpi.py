@@ -14,6 +14,7 @@ whole mpiexec job (``serial``). Skipped when NetKet is not installed
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -289,3 +290,159 @@ def test_example_script_on_two_ranks():
     match = re.search(r"relative error (\d\.\de-\d\d)$", lines[-1])
     assert match, lines[-1]
     assert float(match.group(1)) < 3e-3, lines[-1]  # 25 steps from a random RBM: about 1e-3
+
+
+# -- NetKet's own SR paths on a dnk.MCState ------------------------------------------------------
+QGT = nk.optimizer.qgt if nk is not None else None
+SOLVERS = {
+    "cg": jax.scipy.sparse.linalg.cg,  # nk.optimizer.SR's default
+    "cholesky": nk.optimizer.solver.cholesky,
+    "svd": nk.optimizer.solver.svd,
+    "pinv_smooth": nk.optimizer.solver.pinv_smooth,
+}
+
+
+def _qgt_cases(model: str):
+    """(name, QGT constructor as a user writes it) for every NetKet QGT type."""
+    holomorphic = {"holomorphic": True} if model == "holomorphic" else {}
+    return [
+        ("QGTAuto", None),
+        ("QGTOnTheFly", QGT.QGTOnTheFly(**holomorphic) if holomorphic else QGT.QGTOnTheFly),
+        ("QGTOnTheFly chunked", QGT.QGTOnTheFly(chunk_size=16, **holomorphic)),
+        ("QGTJacobianDense", QGT.QGTJacobianDense(**holomorphic) if holomorphic else QGT.QGTJacobianDense),
+        ("QGTJacobianDense diag_scale", QGT.QGTJacobianDense(diag_scale=0.05, **holomorphic)),
+        ("QGTJacobianPyTree chunked", QGT.QGTJacobianPyTree(chunk_size=16, **holomorphic)),
+    ]
+
+
+@pytest.mark.parametrize("model", ["real", pytest.param("holomorphic", marks=TWO), "modphase"])
+def test_netket_sr_with_every_qgt_type_is_global(ising, model, comm):
+    """nk.optimizer.SR(qgt=...) unchanged on a dnk.MCState: the QGT of every type is NetKet's
+    on the gathered samples (product, dense form, solve), and the update is bit for bit the
+    same on every rank."""
+    hilbert, H = ising
+    vstate = _state(hilbert, model)
+    _, grad = vstate.expect_and_grad(H)
+    ref = _gathered_reference(vstate, comm)
+    _, ref_grad = ref.expect_and_grad(H)
+    tight_cg = functools.partial(jax.scipy.sparse.linalg.cg, tol=1e-12)
+    for name, qgt in _qgt_cases(model):
+        S = vstate.quantum_geometric_tensor(qgt) if qgt is not None else vstate.quantum_geometric_tensor()
+        S_ref = ref.quantum_geometric_tensor(qgt) if qgt is not None else ref.quantum_geometric_tensor()
+        assert type(S).__name__.startswith("Distributed"), (name, type(S))
+        assert type(S).__mro__[1] is type(S_ref), (name, type(S), type(S_ref))  # NetKet's class, subclassed
+        _assert_trees_close(S @ grad, S_ref @ ref_grad, rtol=1e-10, atol=1e-14, err_msg=name)
+        if not (name.startswith("QGTOnTheFly") and model == "holomorphic") and "Auto" not in name:
+            dense = np.asarray(S.to_dense())
+            np.testing.assert_allclose(dense, np.asarray(S_ref.to_dense()), rtol=1e-10, atol=1e-14, err_msg=name)
+            assert _bitwise_same_on_every_rank(dense, comm), name
+        # The preconditioner as the driver calls it.
+        sr = nk.optimizer.SR(qgt=qgt, solver=tight_cg, diag_shift=SHIFT)
+        update = sr(vstate, grad, 0)
+        expected = nk.optimizer.SR(qgt=qgt, solver=tight_cg, diag_shift=SHIFT)(ref, ref_grad, 0)
+        _assert_trees_close(update, expected, rtol=1e-7, atol=1e-10, err_msg=name)
+        assert _bitwise_same_on_every_rank(update, comm), name
+    # Every solver of NetKet's (the default cg with its default tolerance too) on the dense QGT.
+    for name, solver in SOLVERS.items():
+        update = nk.optimizer.SR(solver=solver, diag_shift=SHIFT)(vstate, grad, 0)
+        expected = nk.optimizer.SR(solver=solver, diag_shift=SHIFT)(ref, ref_grad, 0)
+        rtol = 1e-4 if name == "cg" else 1e-7  # cg stops at NetKet's tol=1e-5 on both sides
+        _assert_trees_close(update, expected, rtol=rtol, atol=1e-8, err_msg=name)
+        assert _bitwise_same_on_every_rank(update, comm), name
+
+
+VMC_SR_CASES = [
+    {"use_ntk": False},
+    {"use_ntk": True, "on_the_fly": False},
+    {"use_ntk": True, "momentum": 0.8, "proj_reg": 1.0, "chunk_size_bwd": 16},  # on the fly (NetKet's default)
+    {"use_ntk": False, "momentum": 0.5, "linear_solver": nk.optimizer.solver.pinv_smooth},
+]
+
+
+@pytest.mark.parametrize("model", ["real", pytest.param("holomorphic", marks=TWO), "modphase"])
+def test_vmc_sr_steps_equal_netket_on_gathered_samples(ising, model, comm):
+    """nk.driver.VMC_SR unchanged on a dnk.MCState: two steps of each formulation (SR and
+    NTK, SPRING momentum, proj_reg, chunked, another solver, a scheduled shift) give NetKet's
+    update on the gathered samples, the same on every rank."""
+    import optax
+
+    hilbert, H = ising
+    base = getattr(nk.driver.VMC_SR.compute_loss_and_update, "__wrapped__")  # NetKet's own step
+    for case in VMC_SR_CASES:
+        vstate = _state(hilbert, model)
+        options = {"diag_shift": lambda step: SHIFT * (1 + step), **case}
+        driver = nk.driver.VMC_SR(H, optax.sgd(0.01), variational_state=vstate, **options)
+        reference = nk.driver.VMC_SR(H, optax.sgd(0.01), variational_state=_gathered_reference(vstate, comm),
+                                     **options)
+        for step in range(2):
+            vstate.reset()
+            reference._variational_state = _gathered_reference(vstate, comm)
+            reference._old_updates, reference._step_count = driver._old_updates, step
+            driver._step_count = step
+            stats, update = driver.compute_loss_and_update()
+            ref_stats, expected = base(reference)
+            assert _bitwise_same_on_every_rank([update, stats.mean], comm), case
+            _assert_trees_close(update, expected, rtol=1e-9, atol=1e-12, err_msg=str(case))
+            np.testing.assert_allclose(np.asarray(stats.mean), np.asarray(ref_stats.mean), rtol=1e-12)
+
+
+def test_training_with_netket_sr_paths_keeps_parameters_identical(ising, comm):
+    """A short run of each SR path NetKet users write: identical parameters on every rank, and
+    the energy goes down from the random RBM towards the ground state."""
+    import optax
+
+    hilbert, H = ising
+    drivers = {
+        "VMC + nk.optimizer.SR": lambda vs: nk.driver.VMC(H, nk.optimizer.Sgd(0.05), variational_state=vs,
+                                                          preconditioner=nk.optimizer.SR(diag_shift=0.05)),
+        "VMC_SR": lambda vs: nk.driver.VMC_SR(H, optax.sgd(0.05), variational_state=vs, diag_shift=0.05),
+        "VMC_SR ntk": lambda vs: nk.driver.VMC_SR(H, optax.sgd(0.05), variational_state=vs, diag_shift=0.05,
+                                                  use_ntk=True),
+    }
+    for name, make in drivers.items():
+        vstate = _state(hilbert, "real", seed=1)
+        first = vstate.expect(H).mean.real
+        make(vstate).run(8, out=(), show_progress=False)
+        assert _bitwise_same_on_every_rank(vstate.parameters, comm), name
+        assert vstate._distlinalg_updates == 8 or comm.Get_size() == 1, name
+        last = vstate.expect(H).mean.real
+        assert last < first - 0.5, (name, first, last)
+
+
+def test_paths_that_cannot_be_global_raise_on_every_rank(ising, comm):
+    hilbert, H = ising
+    vstate = _state(hilbert, "real")
+    import netket.experimental as nkx
+
+    with pytest.raises(NotImplementedError, match="TDVP on a distlinalg.netket.MCState"):
+        nkx.driver.TDVP(H, vstate, nkx.dynamics.Euler(dt=0.01))
+    with pytest.raises(NotImplementedError, match="Infidelity_SR on a distlinalg.netket.MCState"):
+        nk.driver.Infidelity_SR(vstate, nk.optimizer.Sgd(0.01), diag_shift=0.01, variational_state=vstate)
+
+    class MyVMC(nk.driver.VMC):  # a step of its own would see this rank's samples
+        def compute_loss_and_update(self):
+            return super().compute_loss_and_update()
+
+    with pytest.raises(NotImplementedError, match="MyVMC"):
+        MyVMC(H, nk.optimizer.Sgd(0.01), variational_state=vstate)
+    with pytest.raises(NotImplementedError, match="not one of NetKet's"):
+        vstate.quantum_geometric_tensor(lambda vs, **kw: None)
+    # A plain NetKet state is untouched by the routes.
+    plain = nk.vqs.MCState(nk.sampler.MetropolisLocal(hilbert, n_chains=N_CHAINS), MODELS["real"](), n_samples=64)
+    assert type(plain.quantum_geometric_tensor(QGT.QGTJacobianDense)).__name__ == "QGTJacobianDenseT"
+
+
+def test_parameters_that_drift_apart_raise_on_every_rank(ising, comm):
+    hilbert, _ = ising
+    vstate = _state(hilbert, "real")
+    drifted = tmap(lambda p: p + 1e-12 * comm.Get_rank(), vstate.parameters)  # one rank's own update
+    if comm.Get_size() == 1:  # nothing to compare with: the check is off
+        assert not vstate._distlinalg_check
+        vstate.parameters = drifted
+        return
+    with pytest.raises(RuntimeError, match=r"after parameter update 1 the parameters differ between ranks"):
+        vstate.parameters = drifted
+    vstate.parameters = tmap(lambda p: p * 1.0, vstate.parameters)  # identical again: no error
+    quiet = dnk.MCState(nk.sampler.MetropolisLocal(hilbert, n_chains=N_CHAINS), MODELS["real"](),
+                        n_samples_per_rank=32, seed=0, check_parameters=False)
+    quiet.parameters = drifted  # the check is off

@@ -8,9 +8,8 @@ so :func:`install` routes these entry points, for a distributed state only,
 to the global computations of :mod:`._qgt` and :mod:`._vmc_sr` (every other
 state takes NetKet's code unchanged):
 
-* ``nk.optimizer.SR.lhs_constructor`` (and every ``AbstractLinearPreconditioner``
-  built on a QGT type) → ``vstate.quantum_geometric_tensor(...)``, which builds
-  the distributed QGT of the type the user named;
+* ``nk.optimizer.SR.lhs_constructor`` → the distributed QGT of the type the
+  user named (as ``vstate.quantum_geometric_tensor(...)`` builds it);
 * ``nk.optimizer.qgt.QGTJacobianDense``, ``QGTJacobianPyTree``, ``QGTOnTheFly``
   called on a distributed state (directly, through ``QGTAuto``, or through a
   partial made after this module was installed) → the distributed QGT;
@@ -65,6 +64,8 @@ def _route_qgt_constructor(wrapper: Any, kind: str) -> None:
 def _route_preconditioner() -> None:
     import netket as nk
 
+    from ._qgt import distributed_qgt
+
     base = nk.optimizer.SR.lhs_constructor
 
     @functools.wraps(base)
@@ -81,7 +82,7 @@ def _route_preconditioner() -> None:
                                     "extra argument `step`.")
                 value = value(step)
             shifts[name] = value
-        return vstate.quantum_geometric_tensor(self.qgt_constructor, **shifts, **self.qgt_kwargs)
+        return distributed_qgt(vstate, self.qgt_constructor, **shifts, **self.qgt_kwargs)
 
     nk.optimizer.SR.lhs_constructor = lhs_constructor
 
