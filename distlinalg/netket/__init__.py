@@ -53,10 +53,22 @@ replace the user's ``nk.driver.VMC`` and every other driver would need one.)
   solves against that gradient). The update is identical, bit for bit, on every
   rank, so replicated parameters stay identical under any optax optimiser.
 
-``nk.optimizer.SR`` used with :class:`MCState` still builds its QGT from this
-rank's samples: use :class:`SR`. NetKet's ``jax.process_index()`` is 0 on every
-rank of an ``mpiexec`` job (JAX is not told about MPI), so loggers and progress
-bars are switched off on the other ranks by the script (last line above).
+NetKet's own SR paths run unchanged on an :class:`MCState` (the one changed
+line is the state): ``nk.driver.VMC(..., preconditioner=nk.optimizer.SR(...))``
+with every QGT type (``QGTAuto``, ``QGTOnTheFly``, ``QGTJacobianDense``,
+``QGTJacobianPyTree``; ``holomorphic``, ``diag_scale``, ``chunk_size``) and
+every NetKet solver, ``vstate.quantum_geometric_tensor(...)``, and
+``nk.driver.VMC_SR`` (``use_ntk``, ``on_the_fly``, ``momentum``, ``proj_reg``,
+``linear_solver``, ``chunk_size_bwd``, schedules). Their QGTs and matrices
+are formed over all ranks' samples (:mod:`._qgt`, :mod:`._vmc_sr`; the
+entry points are routed in :mod:`._paths`), and the update is identical on
+every rank. Drivers whose step cannot be global (TDVP, ``Infidelity_SR``, a
+subclass with its own ``compute_loss_and_update``) raise at construction;
+and the state checks after every parameter update that its parameters are
+the same on every rank (one 8-byte allreduce), raising otherwise.
+NetKet's ``jax.process_index()`` is 0 on every rank of an ``mpiexec`` job
+(JAX is not told about MPI), so loggers and progress bars are switched off
+on the other ranks by the script (last line above).
 """
 
 from __future__ import annotations
@@ -570,7 +582,7 @@ def _make_mcstate() -> type:
 _MCSTATE_DOC = """``nk.vqs.MCState`` whose estimates cover the samples of all MPI ranks.
 
     ``MCState(sampler, model, *, n_samples=None, n_samples_per_rank=None,
-    seed=None, sampler_seed=None, comm=None, **netket_kwargs)``; the other
+    seed=None, sampler_seed=None, comm=None, check_parameters=True, **netket_kwargs)``; the other
     keyword arguments (``n_discard_per_chain``, ``chunk_size``, ``variables``,
     ...) are NetKet's.
 
@@ -590,10 +602,18 @@ _MCSTATE_DOC = """``nk.vqs.MCState`` whose estimates cover the samples of all MP
       Values are identical on every rank. They also keep the local energies
       of the current samples for :class:`SR`.
 
-    Not distributed: ``quantum_geometric_tensor`` (use :class:`SR`),
-    nonlinear (multi-channel) observables, models with mutable state, and
-    non-Hermitian gradients (these raise). The force's VJP runs on all local
-    samples at once (``chunk_size`` applies to the local energies only).
+    * ``quantum_geometric_tensor(qgt_T)`` returns NetKet's QGT of that type
+      over all ranks' samples (``nk.optimizer.SR`` and ``nk.driver.VMC_SR``
+      use them unchanged; see the module docstring).
+    * After every parameter update the parameters are checked to be the
+      same on every rank (a 31-bit digest of their bits, min and max in one
+      allreduce of two int32); a difference raises a RuntimeError on every
+      rank naming the update. ``check_parameters=False`` turns it off.
+
+    Not distributed: nonlinear (multi-channel) observables, models with
+    mutable state, non-Hermitian gradients, and drivers other than VMC and
+    VMC_SR (these raise). The force's VJP runs on all local samples at once
+    (``chunk_size`` applies to the local energies only).
 
     Example:
       >>> import jax
