@@ -290,8 +290,8 @@ def _local_vjp(forward: Any, params: Any, samples: jax.Array, w: jax.Array, chun
     return total
 
 
-def onthefly_product(apply_fun: Any, comm: Any, n_total: int, chunk_size: int | None, params: Any, model_state: Any,
-                     samples: jax.Array, mean_one: Any, mean_i: Any, v: Any, diag_shift: Any) -> Any:
+def onthefly_product(apply_fun: Any, comm: Any, n_total: int, chunk_size: int | None, linear: Any, params: Any,
+                     model_state: Any, samples: jax.Array, mean_one: Any, mean_i: Any, v: Any, diag_shift: Any) -> Any:
     """(S + λ) v over all ranks' samples, S as NetKet's on-the-fly QGT defines it:
 
         w = O v / N,   S v = conj(Oᵀ conj(w − w̄)),   w̄ = Σ_all w_k / N.
@@ -300,10 +300,14 @@ def onthefly_product(apply_fun: Any, comm: Any, n_total: int, chunk_size: int | 
     m₁ = Σ_all Oᵀ 1, m_i = Σ_all Oᵀ i), and w̄ is the sum of the ranks' shares
     Σ_local w_k / N, so each rank subtracts its share's term before the one allreduce.
     """
-    forward = functools.partial(_apply_with_state, apply_fun, model_state)
-    w = _local_jvp(forward, params, samples, v, chunk_size) / n_total
+    if linear is not None:  # linearised once, at construction (no chunks): O v and Oᵀ w reuse it
+        w = linear(v) / n_total
+        (local,) = jax.linear_transpose(linear, v)(jnp.conj(w))
+    else:
+        forward = functools.partial(_apply_with_state, apply_fun, model_state)
+        w = _local_jvp(forward, params, samples, v, chunk_size) / n_total
+        local = _local_vjp(forward, params, samples, jnp.conj(w), chunk_size)
     share = jnp.conj(jnp.sum(w)) / n_total  # this rank's part of conj(w̄)
-    local = _local_vjp(forward, params, samples, jnp.conj(w), chunk_size)
     local = tmap(lambda o, a: o - jnp.real(share) * a, local, mean_one)
     if mean_i is not None:
         local = tmap(lambda o, b: o - jnp.imag(share) * b, local, mean_i)
@@ -323,6 +327,12 @@ def onthefly_means(apply_fun: Any, params: Any, model_state: Any, samples: jax.A
         pieces.append(_local_vjp(forward, params, samples, 1j * ones, chunk_size))
     pieces = sum_over_ranks(pieces, comm)
     return pieces[0], (pieces[1] if complex_output else None)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def linearised(apply_fun: Any, params: Any, model_state: Any, samples: jax.Array) -> Any:
+    """v ↦ O v on this rank's samples, linearised once (a pytree, as NetKet keeps it)."""
+    return jax.linearize(functools.partial(_apply_with_state, apply_fun, model_state, samples=samples), params)[1]
 
 
 def _apply_with_state(apply_fun: Any, model_state: Any, params: Any, samples: jax.Array) -> jax.Array:
@@ -357,8 +367,9 @@ def onthefly_qgt(vstate: Any, *, chunk_size: int | None = None, holomorphic: boo
     mean_one, mean_i = onthefly_means(vstate._apply_fun, params, model_state, samples, comm=comm,
                                       chunk_size=chunk_size, complex_output=complex_output)
     n_total = samples.shape[0] * comm.size
+    linear = None if chunk_size is not None else linearised(vstate._apply_fun, params, model_state, samples)
     product = jax.tree_util.Partial(HashablePartial(onthefly_product, vstate._apply_fun, comm, n_total, chunk_size),
-                                    params, model_state, samples, mean_one, mean_i)
+                                    linear, params, model_state, samples, mean_one, mean_i)
     return DistributedQGTOnTheFlyT(_mat_vec=product, _params=params, _chunking=chunk_size is not None, _mode=mode,
                                    comm=comm, **kwargs)
 
