@@ -293,7 +293,7 @@ def test_example_script_on_two_ranks():
 
 
 # -- NetKet's own SR paths on a dnk.MCState ------------------------------------------------------
-QGT = nk.optimizer.qgt if nk is not None else None
+QGT = nk.optimizer.qgt
 SOLVERS = {
     "cg": jax.scipy.sparse.linalg.cg,  # nk.optimizer.SR's default
     "cholesky": nk.optimizer.solver.cholesky,
@@ -450,3 +450,18 @@ def test_parameters_that_drift_apart_raise_on_every_rank(ising, comm):
     quiet = dnk.MCState(nk.sampler.MetropolisLocal(hilbert, n_chains=N_CHAINS), MODELS["real"](),
                         n_samples_per_rank=32, seed=0, check_parameters=False)
     quiet.parameters = drifted  # the check is off
+
+
+def test_unequal_sample_counts_raise_on_every_rank(ising, comm):
+    hilbert, _ = ising
+    chains = 2 + 2 * (comm.Get_rank() == 0)  # rank 0: 4 chains of 2 steps, the others 2 chains of 3
+
+    def make():
+        return dnk.MCState(nk.sampler.MetropolisLocal(hilbert, n_chains=chains), MODELS["real"](),
+                           n_samples_per_rank=6, seed=0)
+
+    if comm.Get_size() == 1:  # one rank: nothing to differ from
+        assert make().n_samples_per_rank == 8
+        return
+    with pytest.raises(ValueError, match="between 6 and 8 samples per step"):
+        make()

@@ -456,6 +456,14 @@ def _make_mcstate() -> type:
                              seed=seed, sampler_seed=key, **kwargs)
             if c.size > 1:  # identical parameters whatever the initialisation did
                 self.variables = bcast(self.variables, comm=c)
+                # Every global estimate divides by P × (this rank's count), and the ring of the
+                # NTK sends equal pieces: the ranks must hold as many samples each.
+                count = jnp.asarray([self.n_samples_per_rank, -self.n_samples_per_rank], jnp.int32)
+                most, least = (int(v) for v in allreduce(count, "max", comm=c))
+                if most != -least:
+                    raise ValueError(
+                        f"distlinalg.netket.MCState: the ranks hold between {-least} and {most} samples per step "
+                        "(sampler.n_chains and n_samples_per_rank must be the same on every rank)")
             self._distlinalg_check = bool(check_parameters) and c.size > 1
 
         # parameters: replicated, and checked to stay so ---------------------------------------

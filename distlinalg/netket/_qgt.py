@@ -266,10 +266,8 @@ def _chunks(samples: jax.Array, chunk_size: int) -> tuple[jax.Array, jax.Array]:
     return padded.reshape(n_chunks, chunk_size, *samples.shape[1:]), mask
 
 
-def _local_jvp(forward: Any, params: Any, samples: jax.Array, v: Any, chunk_size: int | None) -> jax.Array:
-    """O v on this rank's samples, (n_local,)."""
-    if chunk_size is None:
-        return jax.jvp(lambda p: forward(p, samples), (params,), (v,))[1]
+def _chunked_jvp(forward: Any, params: Any, samples: jax.Array, v: Any, chunk_size: int) -> jax.Array:
+    """O v on this rank's samples, (n_local,), `chunk_size` samples at a time."""
     batches, _ = _chunks(samples, chunk_size)
     _, out = jax.lax.scan(lambda _, x: (None, jax.jvp(lambda p: forward(p, x), (params,), (v,))[1]), None, batches)
     return out.reshape(-1)[: samples.shape[0]]
@@ -303,9 +301,9 @@ def onthefly_product(apply_fun: Any, comm: Any, n_total: int, chunk_size: int | 
     if linear is not None:  # linearised once, at construction (no chunks): O v and Oᵀ w reuse it
         w = linear(v) / n_total
         (local,) = jax.linear_transpose(linear, v)(jnp.conj(w))
-    else:
+    else:  # chunks: the model is evaluated again chunk by chunk, as NetKet's chunked product does
         forward = functools.partial(_apply_with_state, apply_fun, model_state)
-        w = _local_jvp(forward, params, samples, v, chunk_size) / n_total
+        w = _chunked_jvp(forward, params, samples, v, chunk_size) / n_total
         local = _local_vjp(forward, params, samples, jnp.conj(w), chunk_size)
     share = jnp.conj(jnp.sum(w)) / n_total  # this rank's part of conj(w̄)
     local = tmap(lambda o, a: o - jnp.real(share) * a, local, mean_one)

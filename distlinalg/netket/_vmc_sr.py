@@ -161,7 +161,7 @@ def compute_loss_and_update(driver: Any) -> tuple[Any, Any]:
     if callable(momentum):
         momentum = momentum(driver.step_count)
     if not driver.use_ntk and driver.on_the_fly:
-        raise NotImplementedError  # as NetKet: the on-the-fly QGT is for the NTK only
+        raise NotImplementedError("VMC_SR: on_the_fly=True needs use_ntk=True (as in NetKet)")
     _check_solver(driver._linear_solver)
     driver._dp, driver._old_updates, driver.info = sr_update(
         state._apply_fun, local_energies, state.parameters, state.model_state, flat_samples(state),
