@@ -51,6 +51,7 @@ def environment_report() -> str:
         f"GPU staging:    {_cuda.STATE.get('staging_chunk', 'n/a')} per chunk (DISTLINALG_CUDA_STAGING_CHUNK)",
         f"GPU device:     {_cuda.STATE.get('device', '?')}",
         f"CPU affinity:   {_cpu.STATE.get('affinity', '?')}",
+        f"BLAS threads:   {_cpu.STATE.get('blas', '?')}",
         f"XLA CPU YNN fusions: {distlinalg.YNN_FUSION}",
         f"debug log (DISTLINALG_DEBUG): {settings['debug_log']}; "
         f"cross-rank check (DISTLINALG_CHECK): {_mpi.check_mode()}",

@@ -17,6 +17,18 @@ machine this made a 2-rank Gram matvec 1.5 ms instead of 1.0 ms
   not started (its thread pool is sized when it starts).
   ``none``: leave the affinity alone.
 
+BLAS threads: JAX's CPU LAPACK calls (Cholesky, solves, SVD: what NetKet's
+dense SR solvers run) go through SciPy's OpenBLAS, whose pool is sized by
+the CPUs it sees when it loads, and whose idle threads spin. With R ranks
+unbound on C cores, every rank's pool spun on the cores the others needed: a
+288 × 288 Cholesky solve of a 2-rank SR step took 40–130 ms instead of 4–6
+(``benchmarks/bench_netket_paths.py``). So, in the same cases as the
+affinity (ranks sharing a node, not bound by the launcher, whatever the
+import order), each rank's OpenBLAS gets max(1, C // R) threads: loaded
+libraries through their ``openblas_set_num_threads`` entry point, later
+ones through ``OPENBLAS_NUM_THREADS`` (a value the user set is kept).
+``DISTLINALG_CPU_AFFINITY=none`` leaves this alone too.
+
 Runs once, at import, on every rank (``distlinalg._mpi`` calls it after MPI
 is initialised); what was decided is in ``STATE`` for ``python -m distlinalg``.
 """
@@ -60,6 +72,39 @@ def _restrict_all_threads(cpus: list[int]) -> None:
             continue  # a thread that ended meanwhile, or one we may not move
 
 
+# The thread-count setters of OpenBLAS builds: plain, and SciPy's/NumPy's
+# renamed ones (32- and 64-bit integer interfaces).
+_OPENBLAS_SETTERS = ("openblas_set_num_threads", "openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                     "scipy_openblas_set_num_threads64_")
+
+
+def limit_blas_threads(threads: int) -> str:
+    """Give this process's OpenBLAS pools `threads` threads: the libraries loaded now
+    (found in /proc/self/maps) and, through ``OPENBLAS_NUM_THREADS``, those loaded later.
+    A value of ``OPENBLAS_NUM_THREADS`` set by the user is kept. Returns what was done."""
+    import ctypes
+
+    if "OPENBLAS_NUM_THREADS" in os.environ:
+        return f"left alone (OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']})"
+    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+    try:
+        with open("/proc/self/maps") as maps:
+            loaded = sorted({line.split()[-1] for line in maps if "openblas" in line and ".so" in line})
+    except OSError:
+        loaded = []
+    for path in loaded:
+        try:
+            library = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in _OPENBLAS_SETTERS:
+            setter = getattr(library, name, None)
+            if setter is not None:
+                setter(ctypes.c_int(threads))
+                break
+    return f"{threads} OpenBLAS thread(s) per rank ({len(loaded)} library(ies) loaded now)"
+
+
 def partition_cores(node: Any) -> str:
     """Apply ``DISTLINALG_CPU_AFFINITY`` (see the module docstring); returns what was done.
 
@@ -77,6 +122,9 @@ def partition_cores(node: Any) -> str:
     everyone = node.allgather(mine)
     if choice not in ("auto", "none", "off", "0"):
         raise ValueError(f"DISTLINALG_CPU_AFFINITY must be auto or none, not {choice!r}")
+    unbound_shared = choice == "auto" and bool(mine) and local_size > 1 and all(cpus == mine for cpus in everyone)
+    STATE["blas"] = (limit_blas_threads(max(1, len(mine) // local_size)) if unbound_shared
+                     else "left alone")
     if choice != "auto":
         result = "left alone (DISTLINALG_CPU_AFFINITY=none)"
     elif not mine:

@@ -61,6 +61,8 @@ def pretend_node(monkeypatch):
     moves = []
     monkeypatch.setattr(_compat, "backends_started", lambda: False)
     monkeypatch.setattr(_cpu, "_restrict_all_threads", moves.append)
+    # BLAS limits recorded as ("blas", threads) among the moves, not applied to this process.
+    monkeypatch.setattr(_cpu, "limit_blas_threads", lambda n: moves.append(("blas", n)) or f"{n} thread(s)")
     monkeypatch.delenv("DISTLINALG_CPU_AFFINITY", raising=False)
     saved = dict(_cpu.STATE)
 
@@ -81,11 +83,11 @@ def test_unbound_ranks_get_their_block(pretend_node, comm, node):
         assert "one rank on this node" in result and moves == []
         return
     expected = _cpu.share_of(list(range(8, 16)), local_rank, local_size)
-    assert moves == [expected]
+    assert moves == [("blas", 8 // local_size), expected]
     assert result.startswith(f"CPUs {_cpu._ranges(expected)} (node-local rank {local_rank} of {local_size}")
     # The blocks of all ranks on the node cover its CPUs once, in rank order.
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    blocks = local.allgather(moves[0])
+    blocks = local.allgather(moves[1])
     local.Free()
     assert sum(blocks, []) == list(range(8, 16))
 
@@ -99,19 +101,23 @@ def test_bound_or_oversubscribed_or_started_nodes_are_left_alone(pretend_node, c
     pretend_node(lambda rank: range(4))
     monkeypatch.setattr(_compat, "backends_started", lambda: True)
     started = _cpu.partition_cores(node)
-    assert moves == []
+    # Bound ranks keep their pools; an oversubscribed node and a started backend (NetKet
+    # imported first) still get one BLAS thread per rank's share of the cores.
     if local_size == 1:
+        assert moves == []
         assert all("one rank on this node" in r for r in (bound, oversubscribed, started))
-    else:
-        assert "launcher bound the ranks: CPUs" in bound
-        assert "oversubscribed" in oversubscribed
-        assert "backend started" in started
+        return
+    assert moves == [("blas", 1), ("blas", 4 // local_size)]
+    assert "launcher bound the ranks: CPUs" in bound
+    assert "oversubscribed" in oversubscribed
+    assert "backend started" in started
 
 
 def test_opt_out_and_bad_setting(pretend_node, comm, node, monkeypatch):
     moves = pretend_node(lambda rank: range(8))
     monkeypatch.setenv("DISTLINALG_CPU_AFFINITY", "none")
     assert "DISTLINALG_CPU_AFFINITY=none" in _cpu.partition_cores(node)
+    assert _cpu.STATE["blas"] == "left alone"
     monkeypatch.setenv("DISTLINALG_CPU_AFFINITY", "spread")
     # Raised after the node split, on every rank alike.
     with pytest.raises(ValueError, match="DISTLINALG_CPU_AFFINITY must be auto or none, not 'spread'"):
@@ -142,3 +148,40 @@ def test_every_thread_is_moved():
         release.set()
         thread.join()
     assert os.sched_getaffinity(0) == set(original)
+
+
+@pytest.mark.serial
+def test_loaded_and_later_openblas_pools_are_limited():
+    """limit_blas_threads in a fresh process: SciPy's OpenBLAS, already loaded, gets the
+    count through its setter; OPENBLAS_NUM_THREADS is set for libraries loaded later; a
+    value the user set is kept."""
+    import subprocess
+    import sys
+
+    code = (
+        "import ctypes, os, scipy.linalg\n"
+        "from distlinalg import _cpu\n"
+        "os.environ.pop('OPENBLAS_NUM_THREADS', None)\n"
+        "print(_cpu.limit_blas_threads(1))\n"
+        "paths = {l.split()[-1] for l in open('/proc/self/maps') if 'openblas' in l and '.so' in l}\n"
+        "counts = []\n"
+        "for p in sorted(paths):\n"
+        "    lib = ctypes.CDLL(p)\n"
+        "    for name in ('scipy_openblas_get_num_threads', 'scipy_openblas_get_num_threads64_',\n"
+        "                 'openblas_get_num_threads'):\n"
+        "        if hasattr(lib, name):\n"
+        "            counts.append(getattr(lib, name)())\n"
+        "            break\n"
+        "print(counts, os.environ['OPENBLAS_NUM_THREADS'])\n"
+        "os.environ['OPENBLAS_NUM_THREADS'] = '3'\n"
+        "print(_cpu.limit_blas_threads(1))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENBLAS_", "PMI_", "OMPI_", "HYDRA_"))}
+    env["DISTLINALG_CPU_AFFINITY"] = "none"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first, counts, kept = proc.stdout.strip().splitlines()[-3:]
+    assert first.startswith("1 OpenBLAS thread(s) per rank") and "loaded now" in first
+    loaded, variable = counts.rsplit(" ", 1)
+    assert variable == "1" and loaded != "[]" and set(eval(loaded)) == {1}, counts  # noqa: S307
+    assert kept == "left alone (OPENBLAS_NUM_THREADS=3)"
