@@ -282,6 +282,30 @@ def sr_section(res: dict, lines: list[str], plots: list[str]) -> None:
     if png:
         plots.append(png)
         lines += [f"![SR step time](plots/{Path(png).name})", ""]
+    netket_paths_table(res.get("netket_paths", {}), lines)
+
+
+def netket_paths_table(runs: dict, lines: list[str]) -> None:
+    """NetKet's own SR paths on a dnk.MCState (bench_netket_paths.py), by rank count, next to
+    NetKet in one process measured in the 1-rank run."""
+    if not runs:
+        return
+    lines += ["### NetKet's own SR paths on `dnk.MCState` (TFIM L=16, RBM α=1, 1024 samples)", "",
+              "`benchmarks/bench_netket_paths.py`: each path's median step; NetKet alone (`nk.vqs.MCState`, one "
+              "process) is measured in the same 1-rank run; ratio = distlinalg 1 rank / NetKet.", "",
+              "| path | NetKet, 1 process | distlinalg, 1 rank | ratio | distlinalg, 2 ranks |", "|---|---|---|---|---|"]
+    one, two = runs.get("1", {}), runs.get("2", {})
+    if failed(one):
+        lines += [f"| skipped: {failed(one)} | | | | |", ""]
+        return
+    by_path = {row["path"]: row for row in two.get("rows", [])} if not failed(two) else {}
+    for row in one.get("rows", []):
+        theirs, ours = row.get("netket_ms"), row["distlinalg_ms"]
+        other = by_path.get(row["path"], {}).get("distlinalg_ms")
+        lines.append(f"| {row['path']} | {'—' if theirs is None else f'{theirs:.1f} ms'} | {ours:.1f} ms | "
+                     f"{'—' if not theirs else f'{ours / theirs:.2f}'} | "
+                     f"{'—' if other is None else f'{other:.1f} ms'} |")
+    lines.append("")
 
 
 def operators_section(op: dict, lines: list[str]) -> None:

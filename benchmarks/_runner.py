@@ -249,6 +249,11 @@ def run_benchmarks(args, res: dict, save) -> dict:
                 nk[str(nprocs)] = peer_runner.run(nprocs, "bench_netket.py", its, out / f"netket_n{nprocs}.json")
             else:
                 nk[str(nprocs)] = {"skipped": f"NetKet not installed: {peer_status['netket'][1]}"}
+        # NetKet's own SR paths on a dnk.MCState (main venv, the [netket] extra) against NetKet in one process.
+        paths = res["netket_paths"] = {}
+        for nprocs in (1, 2):
+            paths[str(nprocs)] = project.run(nprocs, "bench_netket_paths.py", ["--iters", "10" if q else "30"],
+                                             out / f"netket_paths_n{nprocs}.json")
         done("sr")
 
     if "operators" in args.only:

@@ -35,8 +35,16 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     import jax
-    import netket as nk
-    import optax
+
+    try:
+        import netket as nk
+        import optax
+    except ImportError as exc:  # the [netket] extra is not installed
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            _util.write_json(args.json, {"bench": "netket_paths", "skipped": f"NetKet not installed: {exc}"})
+        return
 
     import distlinalg.netket as dnk
 
