@@ -3,6 +3,7 @@
 #   make test    the test suite under mpiexec with 1, 2 and 3 ranks, then the
 #                CUDA handlers' code paths emulated on the CPU
 #   make test-cpu-only-build   build test: the extension without CUDA handlers
+#   make test-cuda-compile     every CUDA lowering compiled by XLA's GPU compiler for an H100, no GPU needed
 #   make demo    the main job
 #   make netket  NetKet into .venv (pyproject's [netket] extra; test and demo need it)
 #   make lineax  lineax and optimistix into .venv (pyproject's [lineax] extra; test needs it)
@@ -37,7 +38,7 @@ endif
 BUILD_DEPS := "scikit-build-core>=0.10" "cmake>=3.18" "nanobind>=2.0" "jax>=0.5.0" numpy
 TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib
 
-.PHONY: setup netket lineax docs test test-scale test-mpi4jax test-cuda-emulation test-cpu-only-build demo clean bench
+.PHONY: setup netket lineax docs test test-scale test-mpi4jax test-cuda-emulation test-cuda-compile test-cpu-only-build demo clean bench
 
 setup: $(STAMP)
 
@@ -153,6 +154,27 @@ test-cuda-emulation: setup $(CUDA_STUB)
 	  echo "=== CUDA handlers, CUDA-aware (emulated)" && \
 	  $(EMULATION) DISTLINALG_CUDA_AWARE=1 $(BIN)/python tests/run_mpi.py --ranks $(EMULATION_RANKS) $(RUN_MPI_ARGS) -- $(EMULATION_TESTS) $(EMULATION_PYTEST_ARGS); \
 	else echo "=== CUDA handlers not built: emulation tests skipped"; fi
+
+# XLA's GPU compiler on every program of tests/test_cuda_lowering.py, without a GPU: JAX's CUDA
+# plugin (jax-cuda12-plugin/-pjrt of the venv's jaxlib version, and ptxas from nvidia-cuda-nvcc-cu12;
+# ~600 MB, into $(CUDA_COMPILE_SITE), outside the venv so that no other test sees a CUDA plugin)
+# compiles each program for the GPU of CUDA_COMPILE_TARGET (tests/cuda_targets/<name>.txtpb)
+# from a deviceless topology. A program XLA's GPU pipeline rejects fails the run, an abort too.
+CUDA_COMPILE_TARGET ?= h100
+CUDA_COMPILE_RANKS ?= 2
+CUDA_COMPILE_SITE := $(VENV)/cuda-compile
+CUDA_COMPILE_STAMP := $(CUDA_COMPILE_SITE)/.installed
+$(CUDA_COMPILE_STAMP): $(STAMP)
+	rm -rf $(CUDA_COMPILE_SITE)
+	$(BIN)/python -m pip install -q --no-deps --target $(CUDA_COMPILE_SITE) \
+	  "jax-cuda12-plugin==$$($(BIN)/python -c 'import jaxlib; print(jaxlib.__version__)')" \
+	  "jax-cuda12-pjrt==$$($(BIN)/python -c 'import jaxlib; print(jaxlib.__version__)')" nvidia-cuda-nvcc-cu12
+	@touch $@
+
+test-cuda-compile: setup $(CUDA_COMPILE_STAMP)
+	PYTHONPATH=$(abspath $(CUDA_COMPILE_SITE)) JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 \
+	  DISTLINALG_CUDA_COMPILE=$(CUDA_COMPILE_TARGET) \
+	  $(BIN)/python tests/run_mpi.py --ranks $(CUDA_COMPILE_RANKS) $(RUN_MPI_ARGS) -- tests/test_cuda_lowering.py
 
 # Build test: the extension as built where no cuda.h exists compiles, imports,
 # and says why it cannot run on a GPU.

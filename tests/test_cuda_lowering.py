@@ -1,6 +1,13 @@
 """Every public operation lowers for CUDA: primal, JVP, VJP and vmap, and the
 Krylov solvers with a communicating operator under grad.
 
+With ``DISTLINALG_CUDA_COMPILE=<target>`` (``make test-cuda-compile``; a file
+of tests/cuda_targets/, e.g. ``h100``) every program here is also compiled by
+XLA's GPU compiler for that GPU, without one: JAX's CUDA plugin from PyPI
+makes a deviceless topology from the target's configuration. That is where a
+lowering XLA's GPU pipeline rejects shows (the CPU and the emulated handlers
+never reach it); a compiler abort ends the rank, and the run fails.
+
 Lowering for a platform needs no device of it
 (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``), only the
 CUDA lowerings, which builds with the CUDA handlers register. The emulation
@@ -13,7 +20,10 @@ a GPU.
 
 from __future__ import annotations
 
+import functools
+import os
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +42,44 @@ pytestmark = pytest.mark.skipif(
 _TARGET = re.compile(r'(?:custom_call_target\s*=\s*|stablehlo\.custom_call\s+@|call_target_name\s*=\s*)"?(distlinalg_\w+)')
 
 
+_TARGETS = Path(__file__).resolve().parent / "cuda_targets"
+_COMPILE_TARGET = os.environ.get("DISTLINALG_CUDA_COMPILE", "").strip()
+
+
+@functools.cache
+def compile_device():
+    """The deviceless CUDA device of ``DISTLINALG_CUDA_COMPILE``'s target, or None when unset."""
+    if not _COMPILE_TARGET:
+        return None
+    from jax.experimental import topologies
+
+    path = Path(_COMPILE_TARGET)
+    if not path.is_file():
+        path = _TARGETS / f"{_COMPILE_TARGET}.txtpb"
+    if not path.is_file():
+        raise FileNotFoundError(f"DISTLINALG_CUDA_COMPILE={_COMPILE_TARGET!r}: no such target configuration "
+                                f"(a path, or one of {sorted(p.stem for p in _TARGETS.glob('*.txtpb'))})")
+    topology = topologies.get_topology_desc(platform="cuda", target_config=path.read_text(), topology="1x1x1")
+    return topology.devices[0]
+
+
+def _placed(arg, device):
+    """`arg`'s shape and dtype on `device` (what a deviceless compilation takes)."""
+    value = jnp.asarray(arg)
+    weak = not hasattr(arg, "dtype")  # a Python number: weakly typed, as jit would see it
+    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=jax.sharding.SingleDeviceSharding(device),
+                                weak_type=weak)
+
+
 def lower_for_cuda(fn, *args) -> str:
-    """The StableHLO text of `fn(*args)` lowered for CUDA (raises if any part cannot be)."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    """The StableHLO text of `fn(*args)` lowered for CUDA (raises if any part cannot be),
+    compiled for the GPU of ``DISTLINALG_CUDA_COMPILE`` when it is set."""
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    device = compile_device()
+    if device is not None:
+        placed = jax.tree_util.tree_map(lambda a: _placed(a, device), args)
+        jax.jit(fn).trace(*placed).lower().compile()
+    return text
 
 
 def targets(text: str) -> set[str]:
@@ -167,6 +212,27 @@ def test_solver_with_halo_operator_lowers_for_cuda_under_grad(solver, halo, rank
     assert expected <= targets(text)
     text = lower_for_cuda(lambda s, b: jax.jvp(lambda s: loss(s, b), (s,), (1.0,)), 1.5, b)
     assert expected <= targets(text)
+
+
+@pytest.mark.parametrize(("solver", "kwargs"), [
+    ("cg", {}), ("cg", {"method": "single_reduction"}), ("cg", {"method": "pipelined"}),
+    ("minres", {}), ("gmres", {}), ("bicgstab", {}),
+], ids=["cg", "cg-single_reduction", "cg-pipelined", "minres", "gmres", "bicgstab"])
+def test_solvers_at_real_sizes_lower_and_compile_for_cuda(solver, kwargs, rank, size):
+    """Every solver on the sharded Laplacian of 160² unknowns (≥ 64 KiB of each carried vector
+    per rank up to 3 ranks: the in-place updates and their fences), jitted as users write it,
+    and its gradient. The programs that aborted XLA's GPU compiler on an H100 (issue #40)."""
+    A = laplacian_2d(160)
+    solve = getattr(dl.solvers, solver)
+    b = jnp.ones(A.input_structure.shape, A.input_structure.dtype)
+    assert b.size * b.dtype.itemsize >= 64 * 1024 or size > 3
+    text = lower_for_cuda(lambda b: solve(A, b, **kwargs)[0], b)
+    assert "distlinalg_allreduce" in targets(text)
+    if size > 1:
+        assert "distlinalg_sendrecv" in targets(text)
+    if solver in ("cg", "minres"):
+        assert "distlinalg_fence" in targets(text)  # the in-place update of the carried vectors
+    lower_for_cuda(jax.grad(lambda b: dlc.allreduce(jnp.sum(solve(A, b, **kwargs)[0] ** 2))), b)
 
 
 def test_eager_twin_lowers_for_cuda(x):

@@ -96,7 +96,8 @@ def _route_vmc_sr() -> None:
 
     @functools.wraps(base)
     def compute_loss_and_update(self: Any) -> Any:
-        if _is_distributed(self.state):
+        # On one rank NetKet's own step is the global one (and keeps its lazy NTK).
+        if _is_distributed(self.state) and self.state._distlinalg_comm.size > 1:
             return distributed_step(self)
         return base(self)
 
