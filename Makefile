@@ -155,26 +155,19 @@ test-cuda-emulation: setup $(CUDA_STUB)
 	  $(EMULATION) DISTLINALG_CUDA_AWARE=1 $(BIN)/python tests/run_mpi.py --ranks $(EMULATION_RANKS) $(RUN_MPI_ARGS) -- $(EMULATION_TESTS) $(EMULATION_PYTEST_ARGS); \
 	else echo "=== CUDA handlers not built: emulation tests skipped"; fi
 
-# XLA's GPU compiler on every program of tests/test_cuda_lowering.py, without a GPU: JAX's CUDA
-# plugin (jax-cuda12-plugin/-pjrt of the venv's jaxlib version, and ptxas from nvidia-cuda-nvcc-cu12;
-# ~600 MB, into $(CUDA_COMPILE_SITE), outside the venv so that no other test sees a CUDA plugin)
-# compiles each program for the GPU of CUDA_COMPILE_TARGET (tests/cuda_targets/<name>.txtpb)
-# from a deviceless topology. A program XLA's GPU pipeline rejects fails the run, an abort too.
+# XLA's GPU compiler on every program of tests/test_cuda_lowering.py, without a GPU
+# (tests/cuda_compile.py): JAX's CUDA plugin from PyPI compiles each program for the GPU of
+# CUDA_COMPILE_TARGET (tests/cuda_targets/<name>.txtpb) from a deviceless topology. Its own
+# venv, on the newest Python >= 3.12 found (GPU machines carry jax 0.11-0.12, which need it;
+# else $(PYTHON) and its jax), so that the newest jaxlib's compiler is the one that checks.
 CUDA_COMPILE_TARGET ?= h100
 CUDA_COMPILE_RANKS ?= 2
-CUDA_COMPILE_SITE := $(VENV)/cuda-compile
-CUDA_COMPILE_STAMP := $(CUDA_COMPILE_SITE)/.installed
-$(CUDA_COMPILE_STAMP): $(STAMP)
-	rm -rf $(CUDA_COMPILE_SITE)
-	$(BIN)/python -m pip install -q --no-deps --target $(CUDA_COMPILE_SITE) \
-	  "jax-cuda12-plugin==$$($(BIN)/python -c 'import jaxlib; print(jaxlib.__version__)')" \
-	  "jax-cuda12-pjrt==$$($(BIN)/python -c 'import jaxlib; print(jaxlib.__version__)')" nvidia-cuda-nvcc-cu12
-	@touch $@
+CUDA_COMPILE_VENV ?= .venv-cuda-compile
+CUDA_COMPILE_PYTHON ?= $(or $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python python3.13 $(HOME)/.pyenv/versions/3.13*/bin/python; do "$$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { command -v "$$p"; break; }; done),$(PYTHON))
 
-test-cuda-compile: setup $(CUDA_COMPILE_STAMP)
-	PYTHONPATH=$(abspath $(CUDA_COMPILE_SITE)) JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 \
-	  DISTLINALG_CUDA_COMPILE=$(CUDA_COMPILE_TARGET) \
-	  $(BIN)/python tests/run_mpi.py --ranks $(CUDA_COMPILE_RANKS) $(RUN_MPI_ARGS) -- tests/test_cuda_lowering.py
+test-cuda-compile:
+	$(MAKE) setup VENV=$(CUDA_COMPILE_VENV) PYTHON=$(CUDA_COMPILE_PYTHON)
+	$(CUDA_COMPILE_VENV)/bin/python tests/cuda_compile.py --target $(CUDA_COMPILE_TARGET) --ranks $(CUDA_COMPILE_RANKS)
 
 # Build test: the extension as built where no cuda.h exists compiles, imports,
 # and says why it cannot run on a GPU.

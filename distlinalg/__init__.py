@@ -23,6 +23,8 @@ if YNN_FUSION.startswith("left on"):
         RuntimeWarning,
         stacklevel=2,
     )
+# Programs with MPI calls compile for GPUs without XLA's dynamic slice fusion (see _compat).
+GPU_COMPILE_OPTIONS = _compat.route_gpu_compilations()
 from . import _mpi  # initialises MPI and registers the FFI handlers
 from . import _safety  # a failing, stuck or interrupted rank ends the whole job
 _safety.install()

@@ -243,3 +243,40 @@ def test_eager_twin_lowers_for_cuda(x):
     twin = _core._eager_twins[dlc.allreduce_p]
     fn = lambda v: twin.bind(v, comm=resolve_comm(None), op=ReduceOp.SUM)  # noqa: E731
     assert "distlinalg_allreduce" in targets(lower_for_cuda(fn, x))
+
+
+def test_mpi_programs_compile_for_gpus_without_dynamic_slice_fusion(x):
+    """Modules with an MPI call are marked when lowered, and their GPU compilations get XLA's
+    dynamic slice fusion off (it wraps a custom call on a slice, token included, into a fusion
+    that XLA's GPU cost analysis aborts on); CPU compilations and other modules keep their
+    options, and an option the caller set by name wins."""
+    from jax._src import compiler
+    from jax._src.lib import xla_client
+
+    from distlinalg import _compat
+
+    def module(fn):
+        return jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).compiler_ir()
+
+    with_mpi, without = module(lambda v: dlc.allreduce(v) + 1), module(lambda v: v + 1)
+    fenced = module(lambda v: dlc.overlap(dlc.iallreduce(v), jnp.sin, v)[1])
+    assert _compat.MPI_MODULE_ATTRIBUTE in with_mpi.operation.attributes
+    assert _compat.MPI_MODULE_ATTRIBUTE in fenced.operation.attributes
+    assert _compat.MPI_MODULE_ATTRIBUTE not in without.operation.attributes
+    assert getattr(compiler.compile_or_get_cached, "_distlinalg_gpu_options", False)
+
+    class Backend:
+        def __init__(self, platform):
+            self.platform = platform
+
+    def overrides(platform, computation, given=()):
+        options = xla_client.CompileOptions()
+        options.env_option_overrides = list(given)
+        return dict(_compat.compile_options_for(Backend(platform), None, computation, options).env_option_overrides)
+
+    assert overrides("cuda", with_mpi) == {"xla_gpu_enable_dynamic_slice_fusion": False}
+    assert overrides("rocm", fenced) == {"xla_gpu_enable_dynamic_slice_fusion": False}
+    assert overrides("cpu", with_mpi) == {}
+    assert overrides("cuda", without) == {}
+    mine = [("xla_gpu_enable_dynamic_slice_fusion", True), ("xla_gpu_autotune_level", 0)]
+    assert overrides("cuda", with_mpi, mine) == dict(mine)

@@ -209,6 +209,7 @@ def register_lowering(
         alias_map = {i + 1: o + 1 for i, o in aliases.items()}
 
     def emit(ctx, token, operands, params, avals_out, site):
+        _compat.mark_mpi_module(ctx)
         sub = _compat.replace_lowering_avals(
             ctx,
             [_compat.abstract_token, *ctx.avals_in],

@@ -74,6 +74,7 @@ def _fence_lowering(ctx: Any, *xs: Any, pass_through: bool) -> Sequence[Any]:
     # GPUs (no stream synchronisation). An optimization_barrier would not
     # do: XLA's CPU pipeline removes barriers before it schedules.
     zero_aval = _core.shaped((), np.float32)
+    _compat.mark_mpi_module(ctx)
     sub = _compat.replace_lowering_avals(
         ctx, [_compat.abstract_token, *ctx.avals_in], [_compat.abstract_token, zero_aval]
     )
