@@ -13,7 +13,8 @@ state takes NetKet's code unchanged):
 * ``nk.optimizer.qgt.QGTJacobianDense``, ``QGTJacobianPyTree``, ``QGTOnTheFly``
   called on a distributed state (directly, through ``QGTAuto``, or through a
   partial made after this module was installed) → the distributed QGT;
-* ``nk.driver.VMC_SR.compute_loss_and_update`` → :func:`._vmc_sr.compute_loss_and_update`;
+* ``nk.driver.VMC_SR.compute_loss_and_update`` → :func:`._vmc_sr.compute_loss_and_update`
+  on more than one rank (on one rank NetKet's own step is already the global one);
 * every other driver built on a distributed state (TDVP, Infidelity_SR, a
   subclass that replaces ``compute_loss_and_update``) raises at construction,
   on every rank, naming what works.
