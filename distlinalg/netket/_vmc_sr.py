@@ -39,7 +39,7 @@ from jax.flatten_util import ravel_pytree
 from ..comm import allgather
 from ..operators._base import gather_rows
 from ..operators.sample_gram import ring_products
-from ._qgt import flat_samples, sum_over_ranks
+from ._qgt import flat_samples, sum_over_ranks, tmap
 
 __all__ = ["compute_loss_and_update", "sr_update"]
 
@@ -121,6 +121,129 @@ def sr_update(apply_fun: Any, local_energies: jax.Array, params: Any, model_stat
     return unravel(updates), old_updates, info
 
 
+def _real_model(apply_fun: Any, rebuild: Any, mode: str) -> Any:
+    """(real parameters, samples, model_state) -> outputs (n,) or (n, 2) in `mode`, as the
+    on-the-fly NTK works with them (complex parameters as real pairs)."""
+
+    def outputs(parameters_real: Any, samples: jax.Array, model_state: Any) -> jax.Array:
+        log_amp = apply_fun({"params": rebuild(parameters_real), **model_state}, samples)
+        if mode == "complex":
+            return jnp.stack([jnp.real(log_amp), jnp.imag(log_amp)], axis=-1)
+        return jnp.real(log_amp)
+
+    return outputs
+
+
+def mean_jacobian_estimate(model: Any, parameters_real: Any, samples: jax.Array, model_state: Any,
+                           n_subset: int = 32) -> Any:
+    """The mean per-sample Jacobian over `n_subset` evenly strided samples: subtracted from
+    every Jacobian block before the NTK contraction so that centring the NTK afterwards does
+    not cancel a large common part (the NTK's centring removes any constant shift). The
+    samples are every rank's, so the estimate is the same on every rank."""
+    k = min(samples.shape[0], n_subset)
+    subset = samples[jnp.arange(k) * (samples.shape[0] // k)]
+    out, pullback = jax.vjp(lambda p: model(p, subset, model_state), parameters_real)
+    if out.ndim == 1:
+        return jax.lax.stop_gradient(pullback(jnp.full(out.shape, 1.0 / k, out.dtype))[0])
+    selectors = jnp.broadcast_to(jnp.eye(out.shape[1], dtype=out.dtype)[:, None, :] / k, (out.shape[1], *out.shape))
+    return jax.lax.stop_gradient(jax.vmap(lambda c: pullback(c)[0])(selectors))
+
+
+def _chunked_rows(fn: Any, rows: jax.Array, chunk_size: int | None) -> jax.Array:
+    """fn over `rows` (the first axis), `chunk_size` at a time (padding the last chunk)."""
+    if chunk_size is None or chunk_size >= rows.shape[0]:
+        return fn(rows)
+    n = rows.shape[0]
+    n_chunks = -(-n // chunk_size)
+    padded = jnp.concatenate([rows, jnp.broadcast_to(rows[:1], (n_chunks * chunk_size - n, *rows.shape[1:]))])
+    out = jax.lax.map(fn, padded.reshape(n_chunks, chunk_size, *rows.shape[1:]))
+    return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], n_chunks * chunk_size, *out.shape[3:])[:, :n]
+
+
+def _chunked_pullback(model: Any, parameters_real: Any, samples: jax.Array, model_state: Any, cotangent: jax.Array,
+                      chunk_size: int | None) -> Any:
+    """Σ_k (∂ model_k/∂θ)ᵀ cotangent_k over this rank's samples, `chunk_size` at a time."""
+    n = samples.shape[0]
+    if chunk_size is None or chunk_size >= n:
+        return jax.vjp(lambda p: model(p, samples, model_state), parameters_real)[1](cotangent)[0]
+    n_chunks = -(-n // chunk_size)
+    pad = n_chunks * chunk_size - n
+    batches = jnp.concatenate([samples, jnp.broadcast_to(samples[:1], (pad, *samples.shape[1:]))])
+    weights = jnp.concatenate([cotangent, jnp.zeros((pad, *cotangent.shape[1:]), cotangent.dtype)])
+
+    def step(total: Any, item: Any) -> Any:
+        x, w = item
+        return tmap(jnp.add, total, jax.vjp(lambda p: model(p, x, model_state), parameters_real)[1](w)[0]), None
+
+    total, _ = jax.lax.scan(step, tmap(jnp.zeros_like, parameters_real),
+                            (batches.reshape(n_chunks, chunk_size, *samples.shape[1:]),
+                             weights.reshape(n_chunks, chunk_size, *cotangent.shape[1:])))
+    return total
+
+
+@functools.partial(jax.jit, static_argnames=("apply_fun", "solver_fn", "mode", "chunk_size", "comm"))
+def ntk_onthefly_update(apply_fun: Any, local_energies: jax.Array, params: Any, model_state: Any,
+                        samples: jax.Array, *, diag_shift: Any, solver_fn: Any, mode: str, proj_reg: Any,
+                        momentum: Any, old_updates: Any, chunk_size: int | None, comm: Any) -> tuple[Any, Any, Any]:
+    """``VMC_SR(use_ntk=True, on_the_fly=True)`` over all ranks' samples, without forming Jacobians.
+
+    NetKet's lazy formulation, distributed by its rows: this rank's rows of the NTK against
+    every rank's samples (the samples, N × sites, are gathered; the Jacobian never exists),
+    centred with the column means of all rows (one allreduce), gathered into the replicated
+    N·k × N·k kernel for NetKet's solver; δ = Σ_ranks Ō_rᵀ x_r (one VJP, one allreduce).
+    """
+    from netket.jax import _ntk
+
+    parameters_real, rebuild = nkjax.tree_to_real(params)
+    model = _real_model(apply_fun, rebuild, mode)
+    n_local = samples.shape[0]
+    n_total = n_local * comm.size
+    everyone = allgather(samples, comm=comm).reshape(n_total, *samples.shape[1:]) if comm.size > 1 else samples
+    # The right-hand side: 2 (e − ē)/√N, in the channels of the mode.
+    e = local_energies.reshape(-1)
+    de = e - sum_over_ranks(jnp.sum(e), comm) / n_total
+    dv = 2.0 * de / math.sqrt(n_total)
+    dv = jnp.stack([jnp.real(dv), jnp.imag(dv)], axis=-1) if mode == "complex" else jnp.real(dv)
+    if momentum is not None:
+        if old_updates is None:
+            old_updates = tmap(jnp.zeros_like, parameters_real)
+        else:  # SPRING: dv − μ Ō δ_old, Ō δ_old centred over all samples
+            previous = _chunked_rows(lambda x: jax.jvp(lambda p: model(p, x, model_state), (parameters_real,),
+                                                      (old_updates,))[1][None], samples, chunk_size)[0]
+            mean = sum_over_ranks(jnp.sum(previous, axis=0), comm) / n_total
+            dv = dv - momentum * (previous - mean) / math.sqrt(n_total)
+    rhs = allgather(dv, comm=comm).reshape(n_total, *dv.shape[1:]) if comm.size > 1 else dv
+    rhs = rhs.reshape(-1)
+    # This rank's rows of the NTK against every sample, then centred: K − col − row + mean.
+    shift = mean_jacobian_estimate(model, parameters_real, everyone, model_state)
+    contraction = _ntk.empirical_ntk_by_jacobian(f=model, trace_axes=(), vmap_axes=0)
+    rows = _chunked_rows(lambda columns: contraction(samples, columns, parameters_real, model_state=model_state,
+                                                     jacobian_shift=shift).real, everyone, chunk_size)
+    if mode == "complex":  # (n_r, N, 2, 2)
+        column_means = sum_over_ranks(jnp.sum(rows, axis=0, keepdims=True), comm) / n_total
+        row_means = jnp.mean(rows, axis=1, keepdims=True)
+        rows = rows - column_means - row_means + jnp.mean(column_means, axis=1, keepdims=True)
+        rows = jnp.transpose(rows, (0, 2, 1, 3)).reshape(2 * n_local, 2 * n_total)
+    else:
+        column_means = sum_over_ranks(jnp.sum(rows, axis=0, keepdims=True), comm) / n_total
+        rows = rows - column_means - jnp.mean(rows, axis=1, keepdims=True) + jnp.mean(column_means)
+    kernel = gather_rows(rows / n_total, comm) if comm.size > 1 else rows / n_total
+    kernel = kernel + diag_shift * jnp.eye(kernel.shape[0], dtype=kernel.dtype)
+    if proj_reg is not None:
+        kernel = kernel + proj_reg / n_total  # as NetKet's on-the-fly NTK (per sample, not per row)
+    x, info = _solution(solver_fn(kernel, rhs))
+    x = jnp.squeeze(x)
+    if mode == "complex":
+        x = x.reshape(n_total, 2)
+    x = (x - jnp.mean(x, axis=0, keepdims=True)) / math.sqrt(n_total)  # centres Ō's rows
+    mine = x[comm.rank * n_local : (comm.rank + 1) * n_local]
+    updates = sum_over_ranks(_chunked_pullback(model, parameters_real, samples, model_state, mine, chunk_size), comm)
+    if momentum is not None:
+        updates = tmap(lambda u, o: u + momentum * o, updates, old_updates)
+        old_updates = updates
+    return rebuild(updates), old_updates, info
+
+
 def _check_solver(solver_fn: Any) -> None:
     """A solver that asks for the local energies (``dv=``) would read this rank's only."""
     target = solver_fn.func if isinstance(solver_fn, functools.partial) else solver_fn
@@ -163,6 +286,12 @@ def compute_loss_and_update(driver: Any) -> tuple[Any, Any]:
     if not driver.use_ntk and driver.on_the_fly:
         raise NotImplementedError("VMC_SR: on_the_fly=True needs use_ntk=True (as in NetKet)")
     _check_solver(driver._linear_solver)
+    if driver.use_ntk and driver.on_the_fly:
+        driver._dp, driver._old_updates, driver.info = ntk_onthefly_update(
+            state._apply_fun, local_energies, state.parameters, state.model_state, flat_samples(state),
+            diag_shift=diag_shift, solver_fn=driver._linear_solver, mode=driver.mode, proj_reg=proj_reg,
+            momentum=momentum, old_updates=driver._old_updates, chunk_size=driver.chunk_size_bwd, comm=comm)
+        return driver._loss_stats, driver._dp
     driver._dp, driver._old_updates, driver.info = sr_update(
         state._apply_fun, local_energies, state.parameters, state.model_state, flat_samples(state),
         diag_shift=diag_shift, solver_fn=driver._linear_solver, mode=driver.mode, proj_reg=proj_reg,
