@@ -11,16 +11,22 @@ sees the same matrix and right-hand side):
 
   * ``use_ntk=False`` (SR):   (Ōᵀ Ō + λ I) δ = Ōᵀ dv (+ λ μ_m δ_old, SPRING)
     Ōᵀ Ō and Ōᵀ dv are sums of each rank's blocks (one P × P allreduce).
-  * ``use_ntk=True`` (MinSR / SRt):  (Ō Ōᵀ + λ I + proj_reg/M) x = dv − μ_m Ō δ_old,
+  * ``use_ntk=True, on_the_fly=False`` (MinSR / SRt):  (Ō Ōᵀ + λ I + proj_reg/M) x = dv − μ_m Ō δ_old,
     δ = Ōᵀ x (+ μ_m δ_old): the M × M kernel (M = N, or 2N in "complex" mode)
     is formed from the ranks' Jacobian rows passed around the ring of ranks
     (:func:`distlinalg.operators.sample_gram.ring_products`; the Jacobian is
     never gathered), the solve runs on the replicated kernel on every rank,
     and δ is one parameter-sized allreduce.
 
+  * ``use_ntk=True, on_the_fly=True`` (NetKet's default for the NTK):
+    :func:`ntk_onthefly_update`, NetKet's lazy kernel by rows: this rank's rows
+    of the NTK against every rank's samples (the samples are gathered, never a
+    Jacobian), centred with one allreduce; memory per rank is what NetKet's
+    lazy contraction needs for n_r rows, plus the replicated kernel.
+
 Rows are real: in "complex" mode each sample gives its (Re, Im) pair, as in
 NetKet. The update, the momentum buffer and the solver's info are identical
-on every rank.
+on every rank. On one rank the driver keeps NetKet's own step (:mod:`._paths`).
 """
 
 from __future__ import annotations
