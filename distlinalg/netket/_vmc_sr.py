@@ -223,8 +223,10 @@ def ntk_onthefly_update(apply_fun: Any, local_energies: jax.Array, params: Any, 
     # This rank's rows of the NTK against every sample, then centred: K − col − row + mean.
     shift = mean_jacobian_estimate(model, parameters_real, everyone, model_state)
     contraction = _ntk.empirical_ntk_by_jacobian(f=model, trace_axes=(), vmap_axes=0)
+    # Columns one rank's block at a time (or `chunk_size`): the contraction then holds this
+    # rank's Jacobian and one block's, 2 n_r × P, never the N × P of all samples.
     rows = _chunked_rows(lambda columns: contraction(samples, columns, parameters_real, model_state=model_state,
-                                                     jacobian_shift=shift).real, everyone, chunk_size)
+                                                     jacobian_shift=shift).real, everyone, chunk_size or n_local)
     if mode == "complex":  # (n_r, N, 2, 2)
         column_means = sum_over_ranks(jnp.sum(rows, axis=0, keepdims=True), comm) / n_total
         row_means = jnp.mean(rows, axis=1, keepdims=True)
