@@ -24,7 +24,8 @@ The subclasses keep NetKet's solve paths (the real-dense format of the
 Jacobian types, the pytree format of the on-the-fly type), so a solver runs
 exactly the iteration NetKet runs on the gathered samples; every product is
 an allreduce, so the solver's iterates, and the update, are identical on
-every rank. On a one-rank communicator nothing is communicated.
+every rank. On a one-rank communicator NetKet's own QGT is built (it is then
+the global one).
 """
 
 from __future__ import annotations
@@ -414,6 +415,10 @@ def distributed_qgt(vstate: Any, constructor: Any = None, **kwargs: Any) -> Any:
         if kind is None or kind == "QGTAuto":
             raise NotImplementedError(f"distlinalg.netket.MCState: QGTAuto chose {chosen!r}, which is not distributed")
         kwargs = {**bound, **kwargs}
+    if vstate._distlinalg_comm.size == 1:
+        # One rank holds every sample: NetKet's own QGT is the global one (its original
+        # constructor, not the routed name, which would come back here).
+        return getattr(nk.optimizer.qgt, kind).__wrapped__(vstate, **kwargs)
     if kind == "QGTOnTheFly":
         return onthefly_qgt(vstate, **kwargs)
     return jacobian_qgt(vstate, dense=kind == "QGTJacobianDense", **kwargs)
