@@ -248,29 +248,37 @@ def compile_options_for(backend: Any, devices: Any, computation: Any, compile_op
     return compile_options
 
 
-def route_gpu_compilations() -> bool:
-    """Compile marked modules for GPUs with ``GPU_OPTIONS_FOR_MPI`` added to their
-    options (a user's own entry for the same option wins). Installed once, at import;
-    returns whether JAX's compile entry point was found."""
+def _wrap_jax_compiler(name: str, marker: str, wrap: Any) -> bool:
+    """Replace ``jax._src.compiler.<name>`` by ``wrap(original)``, once (the wrapper carries
+    `marker`); False where this JAX has no such function."""
     try:
         from jax._src import compiler  # private
     except ImportError:  # pragma: no cover - JAX moved it
         return False
-    original = getattr(compiler, "compile_or_get_cached", None)
+    original = getattr(compiler, name, None)
     if original is None:  # pragma: no cover - JAX moved it
         return False
-    if getattr(original, "_distlinalg_gpu_options", False):
-        return True
-
-    @functools.wraps(original)
-    def compile_or_get_cached(backend: Any, computation: Any, devices: Any, compile_options: Any,
-                              *args: Any, **kwargs: Any) -> Any:
-        compile_options = compile_options_for(backend, devices, computation, compile_options)
-        return original(backend, computation, devices, compile_options, *args, **kwargs)
-
-    compile_or_get_cached._distlinalg_gpu_options = True  # type: ignore[attr-defined]
-    compiler.compile_or_get_cached = compile_or_get_cached
+    if not getattr(original, marker, False):
+        wrapped = functools.wraps(original)(wrap(original))
+        setattr(wrapped, marker, True)
+        setattr(compiler, name, wrapped)
     return True
+
+
+def route_gpu_compilations() -> bool:
+    """Compile marked modules for GPUs with ``GPU_OPTIONS_FOR_MPI`` added to their
+    options (a user's own entry for the same option wins). Installed once, at import;
+    returns whether JAX's compile entry point was found."""
+
+    def wrap(original: Any) -> Any:
+        def compile_or_get_cached(backend: Any, computation: Any, devices: Any, compile_options: Any,
+                                  *args: Any, **kwargs: Any) -> Any:
+            compile_options = compile_options_for(backend, devices, computation, compile_options)
+            return original(backend, computation, devices, compile_options, *args, **kwargs)
+
+        return compile_or_get_cached
+
+    return _wrap_jax_compiler("compile_or_get_cached", "_distlinalg_gpu_options", wrap)
 
 
 def replace_lowering_avals(ctx: Any, avals_in: Any, avals_out: Any) -> Any:
@@ -363,30 +371,19 @@ def _disable_ynn_fusion_per_compile(value: str) -> bool:
     compiled before this call keep the fusions (they hold no distlinalg
     call: distlinalg was not imported yet).
     """
-    import functools
 
-    try:
-        from jax._src import compiler  # private
-    except ImportError:  # pragma: no cover - JAX moved it
-        return False
-    original = getattr(compiler, "get_compile_options", None)
-    if original is None:  # pragma: no cover - JAX moved it
-        return False
-    if getattr(original, "_distlinalg_no_ynn", False):
-        return True
+    def wrap(original: Any) -> Any:
+        def get_compile_options(*args: Any, **kwargs: Any) -> Any:
+            backend = kwargs.get("backend")
+            if backend is None or getattr(backend, "platform", "cpu") == "cpu":
+                overrides = dict(kwargs.get("env_options_overrides") or {})
+                overrides.setdefault(_YNN_FLAG, value)
+                kwargs["env_options_overrides"] = overrides
+            return original(*args, **kwargs)
 
-    @functools.wraps(original)
-    def get_compile_options(*args: Any, **kwargs: Any) -> Any:
-        backend = kwargs.get("backend")
-        if backend is None or getattr(backend, "platform", "cpu") == "cpu":
-            overrides = dict(kwargs.get("env_options_overrides") or {})
-            overrides.setdefault(_YNN_FLAG, value)
-            kwargs["env_options_overrides"] = overrides
-        return original(*args, **kwargs)
+        return get_compile_options
 
-    get_compile_options._distlinalg_no_ynn = True  # type: ignore[attr-defined]
-    compiler.get_compile_options = get_compile_options
-    return True
+    return _wrap_jax_compiler("get_compile_options", "_distlinalg_no_ynn", wrap)
 
 
 # ---------------------------------------------------------------------------
