@@ -467,3 +467,21 @@ def test_unequal_sample_counts_raise_on_every_rank(ising, comm):
         return
     with pytest.raises(ValueError, match="between 6 and 8 samples per step"):
         make()
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize(("script", "variable", "args", "expected"), [
+    ("netket_sr.py", "NETKET_SR_ITERS", [], "nk.optimizer.SR, 2 rank(s): E = "),
+    ("netket_vmc_sr.py", "NETKET_VMC_SR_ITERS", ["ntk"], "nk.driver.VMC_SR(use_ntk=True), 2 rank(s): E = "),
+])
+def test_netket_documented_scripts_on_two_ranks(script, variable, args, expected):
+    """NetKet's own SR scripts with only the state changed (examples/netket_sr), as 2-rank jobs,
+    a few steps each: they run to the end and print the energy of all ranks' samples."""
+    cmd = find_mpiexec() + ["-n", "2", sys.executable, str(ROOT / "examples" / "netket_sr" / script), *args]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(**{variable: "5"}), capture_output=True, text=True,
+                              timeout=240, start_new_session=True)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{script} still running after {err.timeout} s: {err.output}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert expected in proc.stdout, proc.stdout
