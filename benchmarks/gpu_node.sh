@@ -10,6 +10,7 @@
 #                                                       the GPU); logs under LOGDIR/n<N>
 #   bash benchmarks/gpu_node.sh bench-gpu OUTDIR        collectives vs copy bandwidth (2 ranks), CG on
 #                                                       Poisson 2000² vs jax.scipy's cg, the SR step
+#   bash benchmarks/gpu_node.sh check OUTDIR          issue 40's GPU checks in one call (< 8 min)
 #   bash benchmarks/gpu_node.sh scaling OUTDIR [RANKS...]
 #                                                       CPU-only: Poisson CG per iteration and the SR
 #                                                       step at 1 2 4 8 16 ranks
@@ -62,6 +63,43 @@ bench-gpu)
     --repeats "${REPEATS:-3}" --converge --contenders distlinalg-cg jax-scipy-cg --json "$out/krylov_gpu_1.json"
   "$BIN/mpiexec" -n 1 "$PY" benchmarks/bench_sr.py --iters "${SR_ITERS:-20}" --json "$out/sr_gpu_1.json"
   cat "$out/sr_gpu_1.json"; echo
+  ;;
+check)
+  # Issue 40, part 2, in one device call of under 8 minutes (after `setup` in the same call):
+  # the suites at 1 and 2 ranks and a 4-rank subset (all at once, sharing the GPU), CG and
+  # MINRES on Poisson 2000² at 1 and 2 ranks against jax.scipy's cg, the ranks-sharing-a-GPU
+  # cost with and without CUDA MPS, and the overlap demonstration on the node's cores.
+  out=$1; mkdir -p "$out"
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  suites=(tests/test_cuda_lowering.py tests/test_checks.py tests/test_p2p.py tests/test_solvers.py
+          tests/test_nonblocking.py tests/test_collectives.py)
+  for n in 1 2; do
+    MPITEST_LOGS="$out/suites/n$n" timeout 240 "$PY" tests/run_mpi.py --ranks "$n" --no-serial --timeout 230 \
+      -- -q "${suites[@]}" > "$out/suites_n$n.out" 2>&1 &
+  done
+  MPITEST_LOGS="$out/suites/n4" timeout 240 "$PY" tests/run_mpi.py --ranks 4 --no-serial --timeout 230 \
+    -- -q tests/test_checks.py tests/test_collectives.py > "$out/suites_n4.out" 2>&1 &
+  wait || true
+  for n in 1 2 4; do echo "=== suites, $n ranks"; tail -n 15 "$out/suites_n$n.out"; done
+  for n in 1 2; do
+    timeout 90 "$BIN/mpiexec" -n "$n" "$PY" benchmarks/bench_krylov.py --n 2000 --iters 100 --repeats 3 \
+      --contenders distlinalg-cg distlinalg-minres jax-scipy-cg --json "$out/krylov_gpu_$n.json" || true
+    cat "$out/krylov_gpu_$n.json" 2>/dev/null; echo
+  done
+  timeout 60 "$BIN/mpiexec" -n 2 "$PY" benchmarks/bench_gpu.py --max-bytes 65536 --repeats 3 --seconds 0.1 \
+    --output "$out/gpu_collectives_2_shared.json" || true
+  if command -v nvidia-cuda-mps-control > /dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY="$out/mps" CUDA_MPS_LOG_DIRECTORY="$out/mps"; mkdir -p "$out/mps"
+    nvidia-cuda-mps-control -d && sleep 1
+    timeout 60 "$BIN/mpiexec" -n 2 "$PY" benchmarks/bench_gpu.py --max-bytes 65536 --repeats 3 --seconds 0.1 \
+      --output "$out/gpu_collectives_2_mps.json" || true
+    echo quit | nvidia-cuda-mps-control || true
+  else
+    echo "no nvidia-cuda-mps-control on this node" > "$out/mps.txt"
+  fi
+  MPIR_CVAR_ASYNC_PROGRESS=1 JAX_PLATFORMS=cpu timeout 90 "$BIN/mpiexec" -n 4 "$PY" benchmarks/bench_overlap.py \
+    --grid 1024 > "$out/overlap_4.txt" 2>&1 || true
+  tail -n 20 "$out/overlap_4.txt"
   ;;
 scaling)
   out=$1; shift; mkdir -p "$out"

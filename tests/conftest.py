@@ -130,3 +130,23 @@ def assert_no_failures(failure, comm):
 @pytest.fixture
 def check():
     return assert_matches_reference
+
+
+@pytest.fixture
+def handlers_on_one_rank():
+    """One-rank communicators lower to the MPI handlers, as on several ranks
+    (DISTLINALG_ONE_RANK_LOCAL=0), for tests of the handlers and lowerings
+    themselves: by default a one-rank operation lowers to its local result,
+    with no custom call. JAX's caches are cleared on both sides, so no program
+    lowered one way is reused the other."""
+    import jax
+
+    from distlinalg.comm import _core
+
+    jax.clear_caches()
+    _core.ONE_RANK_LOCAL = False
+    try:
+        yield
+    finally:
+        _core.ONE_RANK_LOCAL = True
+        jax.clear_caches()

@@ -46,9 +46,10 @@ def test_barrier_is_not_dead_code_and_binds_once_under_transformations(comm, ran
     assert _barrier_count(jax.make_jaxpr(jax.vmap(f))(jnp.ones((4, 3)))) == 1
     assert _barrier_count(jax.make_jaxpr(jax.grad(f))(x)) == 1
     assert _barrier_count(jax.make_jaxpr(lambda v: jax.jvp(f, (v,), (v,)))(x)) == 1
-    # Its result is unused, yet the compiled program keeps the call.
+    # Its result is unused, yet the compiled program keeps the call (one rank:
+    # there is nobody to wait for, and the barrier lowers to nothing).
     hlo = jax.jit(f).lower(x).as_text()
-    assert "distlinalg_barrier" in hlo
+    assert ("distlinalg_barrier" in hlo) == (size > 1)
     np.testing.assert_allclose(jax.jit(jax.vmap(jax.grad(f)))(jnp.ones((2, 3))), np.cos(np.ones((2, 3))))
     np.testing.assert_allclose(jax.grad(f)(x), np.cos(x))
 

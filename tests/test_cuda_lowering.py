@@ -89,7 +89,8 @@ def targets(text: str) -> set[str]:
 # Each public operation as a function of one float array whose value every
 # rank supplies, shaped (size, 3) so the rooted and all-to-all operations
 # see one block per rank; `ring` neighbours keep the messages matched.
-def _operations(size: int, rank: int):
+def _operations(size: int, rank: int, c=None):
+    """`c`: the communicator (default distlinalg's); `size` and `rank` are its."""
     right, left = (rank + 1) % size, (rank - 1) % size
     first = rank == 0
 
@@ -98,40 +99,42 @@ def _operations(size: int, rank: int):
         # first, the others receive from the left first (a chain, no cycle).
         y = x[0]
         if size == 1:
-            return dlc.sendrecv(y, y * 0, source=0, dest=0)
+            return dlc.sendrecv(y, y * 0, source=0, dest=0, comm=c)
         if first:
-            dlc.send(y, dest=right)
-            return dlc.recv(y * 0, source=left)
-        got = dlc.recv(y * 0, source=left)
-        dlc.send(y, dest=right)
+            dlc.send(y, dest=right, comm=c)
+            return dlc.recv(y * 0, source=left, comm=c)
+        got = dlc.recv(y * 0, source=left, comm=c)
+        dlc.send(y, dest=right, comm=c)
         return got
 
     return {
-        "allreduce": lambda x: dlc.allreduce(x, op="sum"),
-        "allreduce_max": lambda x: dlc.allreduce(x, op="max"),
-        "allreduce_prod": lambda x: dlc.allreduce(x, op="prod"),
-        "tree_allreduce": lambda x: dlc.tree_allreduce({"a": x, "b": 2 * x})["b"],
-        "reduce": lambda x: dlc.reduce(x, "sum", root=0),
-        "bcast": lambda x: dlc.bcast(x, root=0),
-        "gather": lambda x: dlc.gather(x[rank], root=0),
-        "scatter": lambda x: dlc.scatter(x, root=0),
-        "allgather": lambda x: dlc.allgather(x[rank]),
-        "reduce_scatter": lambda x: dlc.reduce_scatter(x, op="sum"),
-        "alltoall": lambda x: dlc.alltoall(x),
-        "scan": lambda x: dlc.scan(x, op="sum"),
-        "exscan": lambda x: dlc.exscan(x, op="sum"),
-        "sendrecv": lambda x: dlc.sendrecv(x, x * 0, source=left, dest=right),
+        "allreduce": lambda x: dlc.allreduce(x, op="sum", comm=c),
+        "allreduce_max": lambda x: dlc.allreduce(x, op="max", comm=c),
+        "allreduce_prod": lambda x: dlc.allreduce(x, op="prod", comm=c),
+        "tree_allreduce": lambda x: dlc.tree_allreduce({"a": x, "b": 2 * x}, comm=c)["b"],
+        "reduce": lambda x: dlc.reduce(x, "sum", root=0, comm=c),
+        "bcast": lambda x: dlc.bcast(x, root=0, comm=c),
+        "gather": lambda x: dlc.gather(x[rank], root=0, comm=c),
+        "scatter": lambda x: dlc.scatter(x, root=0, comm=c),
+        "allgather": lambda x: dlc.allgather(x[rank], comm=c),
+        "reduce_scatter": lambda x: dlc.reduce_scatter(x, op="sum", comm=c),
+        "alltoall": lambda x: dlc.alltoall(x, comm=c),
+        "scan": lambda x: dlc.scan(x, op="sum", comm=c),
+        "exscan": lambda x: dlc.exscan(x, op="sum", comm=c),
+        "sendrecv": lambda x: dlc.sendrecv(x, x * 0, source=left, dest=right, comm=c),
         "sendrecv_status": lambda x: dlc.sendrecv(
-            x, x * 0, source=dlc.ANY_SOURCE, dest=right, recvtag=dlc.ANY_TAG, return_status=True
+            x, x * 0, source=dlc.ANY_SOURCE, dest=right, recvtag=dlc.ANY_TAG, return_status=True, comm=c
         )[0],
         "send_recv": point_to_point,
-        "barrier": lambda x: (dlc.barrier(), x * 2)[1],
-        "iallreduce_wait": lambda x: dlc.wait(dlc.iallreduce(x)) + jnp.sin(x),
-        "iallgather_wait": lambda x: dlc.wait(dlc.iallgather(x[rank])) + jnp.sin(x),
-        "isend_irecv_wait": lambda x: (lambda sent: (dlc.wait(dlc.irecv(x, source=left)), dlc.wait(sent))[0])(
-            dlc.isend(x, dest=right)
+        "barrier": lambda x: (dlc.barrier(comm=c), x * 2)[1],
+        "iallreduce_wait": lambda x: dlc.wait(dlc.iallreduce(x, comm=c)) + jnp.sin(x),
+        "iallgather_wait": lambda x: dlc.wait(dlc.iallgather(x[rank], comm=c)) + jnp.sin(x),
+        "isend_irecv_wait": lambda x: (
+            lambda sent: (dlc.wait(dlc.irecv(x, source=left, comm=c)), dlc.wait(sent))[0]
+        )(dlc.isend(x, dest=right, comm=c)),
+        "iallreduce_overlap": lambda x: (lambda out: out[0] + out[1])(
+            dlc.overlap(dlc.iallreduce(x, comm=c), jnp.sin, x)
         ),
-        "iallreduce_overlap": lambda x: (lambda out: out[0] + out[1])(dlc.overlap(dlc.iallreduce(x), jnp.sin, x)),
     }
 
 
@@ -170,15 +173,66 @@ def test_operation_lowers_for_cuda_in_every_mode(name, x, rank, size):
         "vmap": (jax.vmap(op), (jnp.stack([x, 2 * x]),)),
         "vmap_of_grad": (jax.vmap(jax.grad(_loss(op))), (jnp.stack([x, 2 * x]),)),
     }
-    # tree_allreduce sends nothing on one rank (documented): there is nothing to lower then.
-    communicates = name != "tree_allreduce" or size > 1
+    # One rank: every operation but the point-to-point ones lowers to its local result.
+    communicates = size > 1 or name in _NEED_MPI_ON_ONE_RANK
     for mode, (program, args) in programs.items():
         text = lower_for_cuda(program, *args)
         if communicates and (name != "barrier" or mode == "primal"):
             assert targets(text), f"{name} {mode}: no distlinalg custom call in the CUDA lowering"
 
 
-def test_differentiated_sendrecv_uses_the_flagged_protocol_on_cuda(x, rank, size):
+# On a one-rank communicator these still go through MPI: a message to itself
+# whose send and receive are separate calls (or a wildcard receive with its
+# status), which only MPI can match.
+_NEED_MPI_ON_ONE_RANK = {"sendrecv_status", "isend_irecv_wait"}
+
+
+def _programs_of(op, x):
+    """`op` in every AD and vmap mode: name -> (program, args)."""
+    return {
+        "primal": (op, (x,)),
+        "jvp": (lambda v, t: jax.jvp(op, (v,), (t,)), (x, jnp.ones_like(x))),
+        "vjp": (jax.grad(_loss(op)), (x,)),
+        "vmap": (jax.vmap(op), (jnp.stack([x, 2 * x]),)),
+        "vmap_of_grad": (jax.vmap(jax.grad(_loss(op))), (jnp.stack([x, 2 * x]),)),
+        "hessian_vector": (lambda v, t: jax.jvp(jax.grad(_loss(op)), (v,), (t,)), (x, jnp.ones_like(x))),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_operations(2, 0)))
+def test_one_rank_communicator_lowers_to_local_results(name):
+    """On a one-rank communicator (COMM_SELF, on every rank of any world) each
+    operation lowers, for the CPU and for CUDA, in every AD and vmap mode, to
+    plain XLA operations: no custom call, so a one-rank GPU program makes no
+    host round trip (issue 40). Values and derivatives equal those of the
+    same programs lowered to the MPI handlers (DISTLINALG_ONE_RANK_LOCAL=0)."""
+    from mpi4py import MPI
+
+    from distlinalg.comm import _core
+
+    op = _operations(1, 0, MPI.COMM_SELF)[name]
+    x = jnp.asarray(np.arange(3.0).reshape(1, 3) + 1.0)
+    for mode, (program, args) in _programs_of(op, x).items():
+        if name == "isend_irecv_wait" and mode == "hessian_vector":
+            continue  # (second derivatives of non-blocking messages are not supported)
+        cpu = targets(jax.jit(program).trace(*args).lower().as_text()) - {"distlinalg_fence"}
+        cuda = targets(lower_for_cuda(program, *args)) - {"distlinalg_fence"}
+        if name in _NEED_MPI_ON_ONE_RANK:
+            assert cpu and cuda, f"{name} {mode}: expected its MPI calls"
+            continue
+        assert not cpu and not cuda, f"{name} {mode}: custom calls on one rank: CPU {cpu}, CUDA {cuda}"
+        local = jax.jit(program)(*args)
+        jax.clear_caches()  # (programs are cached; the handler path must be traced and lowered afresh)
+        _core.ONE_RANK_LOCAL = False
+        try:
+            with_handlers = jax.jit(lambda *a: program(*a))(*args)
+        finally:
+            _core.ONE_RANK_LOCAL = True
+            jax.clear_caches()
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-14), local, with_handlers)
+
+
+def test_differentiated_sendrecv_uses_the_flagged_protocol_on_cuda(x, rank, size, handlers_on_one_rank):
     """grad of a sendrecv goes through the flagged protocol primitive (CPU-only before)."""
     right, left = (rank + 1) % size, (rank - 1) % size
     f = lambda v: jnp.sum(dlc.sendrecv(v, v * 0, source=left, dest=right) ** 2)  # noqa: E731
@@ -190,7 +244,7 @@ def test_differentiated_sendrecv_uses_the_flagged_protocol_on_cuda(x, rank, size
 
 @pytest.mark.parametrize("halo", ["overlapped", "blocking"])
 @pytest.mark.parametrize("solver", ["cg", "minres", "gmres", "bicgstab"])
-def test_solver_with_halo_operator_lowers_for_cuda_under_grad(solver, halo, rank, size):
+def test_solver_with_halo_operator_lowers_for_cuda_under_grad(solver, halo, rank, size, handlers_on_one_rank):
     """grad of a solve with the sharded Laplacian (its halo exchange per matvec,
     allreduces per iteration) with respect to the right-hand side and a
     scale of the operator, and its forward-mode derivative."""
@@ -227,7 +281,7 @@ def test_solvers_at_real_sizes_lower_and_compile_for_cuda(solver, kwargs, rank, 
     b = jnp.ones(A.input_structure.shape, A.input_structure.dtype)
     assert b.size * b.dtype.itemsize >= 64 * 1024 or size > 3
     text = lower_for_cuda(lambda b: solve(A, b, **kwargs)[0], b)
-    assert "distlinalg_allreduce" in targets(text)
+    assert ("distlinalg_allreduce" in targets(text)) == (size > 1)  # one rank: local dot products
     if size > 1:
         assert "distlinalg_sendrecv" in targets(text)
     if solver in ("cg", "minres"):
@@ -235,7 +289,28 @@ def test_solvers_at_real_sizes_lower_and_compile_for_cuda(solver, kwargs, rank, 
     lower_for_cuda(jax.grad(lambda b: dlc.allreduce(jnp.sum(solve(A, b, **kwargs)[0] ** 2))), b)
 
 
-def test_eager_twin_lowers_for_cuda(x):
+@pytest.mark.max_ranks(2)  # on COMM_SELF: the same programs at every rank count
+@pytest.mark.parametrize(("solver", "kwargs"), [
+    ("cg", {}), ("cg", {"method": "single_reduction"}), ("cg", {"method": "pipelined"}), ("minres", {}),
+], ids=["cg", "cg-single_reduction", "cg-pipelined", "minres"])
+def test_one_rank_solvers_at_real_sizes_have_no_mpi_calls(solver, kwargs):
+    """A solve on a one-rank communicator (the sharded Laplacian of 160² unknowns on
+    COMM_SELF), and its gradient, lower for CUDA to XLA's own operations plus the
+    in-place fences: no MPI custom call, so no host round trip per iteration
+    (issue 40: 1-rank CG on a GPU made two per iteration). Compiled for the GPU
+    under ``make test-cuda-compile``."""
+    from mpi4py import MPI
+
+    A = laplacian_2d(160, comm=MPI.COMM_SELF)
+    solve = getattr(dl.solvers, solver)
+    b = jnp.ones(A.input_structure.shape, A.input_structure.dtype)
+    text = lower_for_cuda(lambda b: solve(A, b, **kwargs)[0], b)
+    assert targets(text) == {"distlinalg_fence"}, targets(text)
+    loss = lambda b: dlc.allreduce(jnp.sum(solve(A, b, **kwargs)[0] ** 2), comm=MPI.COMM_SELF)  # noqa: E731
+    assert targets(lower_for_cuda(jax.grad(loss), b)) <= {"distlinalg_fence"}
+
+
+def test_eager_twin_lowers_for_cuda(x, handlers_on_one_rank):
     """The effect-free twin that eager calls compile is registered for CUDA as well."""
     from distlinalg._mpi import ReduceOp, resolve_comm
     from distlinalg.comm import _core
@@ -245,7 +320,7 @@ def test_eager_twin_lowers_for_cuda(x):
     assert "distlinalg_allreduce" in targets(lower_for_cuda(fn, x))
 
 
-def test_mpi_programs_compile_for_gpus_without_dynamic_slice_fusion(x):
+def test_mpi_programs_compile_for_gpus_without_dynamic_slice_fusion(x, handlers_on_one_rank):
     """Modules with an MPI call are marked when lowered, and their GPU compilations get XLA's
     dynamic slice fusion off (it wraps a custom call on a slice, token included, into a fusion
     that XLA's GPU cost analysis aborts on); CPU compilations and other modules keep their

@@ -37,7 +37,7 @@ def test_mpi_cuda_support_query_answers():
 
 
 @needs_build
-def test_collectives_lower_for_cuda():
+def test_collectives_lower_for_cuda(handlers_on_one_rank):
     """Every comm primitive has a CUDA lowering to the same FFI target."""
     x = jnp.arange(6.0).reshape(3, 2)
 

@@ -27,7 +27,7 @@ def small_max_count():
     configure(max_count=2**31 - 1)
 
 
-def test_debug_log_names_op_dtype_and_count(comm, capfd):
+def test_debug_log_names_op_dtype_and_count(comm, capfd, handlers_on_one_rank):
     configure(debug_log=True)
     try:
         allreduce(jnp.ones(5, jnp.float32), comm=comm).block_until_ready()

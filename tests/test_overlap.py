@@ -109,7 +109,7 @@ def test_overlap_derivatives_both_modes_and_vmap(comm, rank, size):
     np.testing.assert_allclose(values, [reference(jnp.asarray(X)), reference(2 * jnp.asarray(X))], rtol=1e-13)
 
 
-def test_work_is_scheduled_between_start_and_wait(comm):
+def test_work_is_scheduled_between_start_and_wait(comm, handlers_on_one_rank):
     """Without the fences XLA runs the wait among the products (jax 0.10, CPU); with them
     the products lie between the start and the wait, forward, in the JVP and in reverse."""
     x, m = jnp.ones(64), jnp.eye(32) * 0.5
@@ -128,7 +128,7 @@ def test_work_is_scheduled_between_start_and_wait(comm):
         reverse
 
 
-def test_pipelined_cg_matvec_runs_while_its_reduction_travels(comm):
+def test_pipelined_cg_matvec_runs_while_its_reduction_travels(comm, handlers_on_one_rank):
     """The loop body of cg(method="pipelined") on the 2-D Laplacian: the stencil
     (a fusion that subtracts the neighbours) between the iallreduce and its wait,
     the body's last wait (the halo's waits come before it)."""

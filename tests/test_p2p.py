@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 import distlinalg
-from distlinalg._mpi import PROC_NULL, TANGENT_TAG_FLAG, configure
+from distlinalg._mpi import PROC_NULL, TANGENT_TAG_FLAG, configure, resolve_comm
 from distlinalg.comm.allreduce import allreduce
 from distlinalg.comm.p2p import recv, send, sendrecv
 from conftest import assert_no_failures, failure_of, gather_global
@@ -486,6 +486,38 @@ def test_constant_template_reported_by_checked_mode(comm, rank, size):
         configure(check_signatures=was_checking)
     assert_no_failures("; ".join(f for f in failures if f), comm)
     assert_in_step(comm)
+
+
+def test_eager_protocol_messages_complete_at_the_call(comm, rank, size, monkeypatch):
+    """The composite primitives of differentiated messages run to completion
+    when called eagerly, as every eager operation does (issue 40).
+
+    On an asynchronous backend (GPUs) an unfinished call returns before its
+    handler has run: the checked mode's mismatch error of the flagged primal
+    message then surfaced only after this rank had posted the tangent message,
+    which its partner, having raised, never took (rank 0 of the test above hung).
+    On the CPU a program runs at the call, so what is checked here is that the
+    eager path waits for the results, whatever the backend."""
+    from distlinalg.comm import _core, p2p
+
+    finished = []
+    run_eager = _core.run_eager
+
+    def watched(program, args):
+        outs = run_eager(program, args)
+        finished.append(all(out.is_ready() for out in outs))
+        return outs
+
+    monkeypatch.setattr(_core, "run_eager", watched)
+    x = jnp.asarray(local_data(rank))
+    right, left = chain_neighbours(rank, size)
+    y, delivered = p2p.flagged_sendrecv_p.bind(
+        x, x * 0, comm=resolve_comm(comm), source=left, dest=right, sendtag=3, recvtag=3, depth=1
+    )
+    assert finished == [True]
+    expected = np.zeros(3) if left == PROC_NULL else local_data(left)
+    np.testing.assert_allclose(y, expected)
+    assert bool(delivered[0]) == (left != PROC_NULL)
 
 
 # ---------------------------------------------------------------------------

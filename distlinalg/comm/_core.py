@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 
-from .. import _compat, _mpi
+from .. import _compat, _env, _mpi
 from .._compat import ad, batching, mlir
 from .._mpi import Communicator
 
@@ -101,8 +101,16 @@ def _compiled(prim: Primitive, params: tuple[tuple[str, Any], ...]) -> Callable[
 
 
 def compiled_call(prim: Primitive, args: Sequence[Any], params: dict[str, Any]) -> Any:
-    """``prim.bind(*args, **params)`` as a compiled program, cached per parameters."""
-    return _compiled(prim, tuple(sorted(params.items())))(*args)
+    """``prim.bind(*args, **params)`` as a compiled program, cached per parameters,
+    run to completion as every eager operation is (:func:`run_eager`).
+
+    Completion matters on asynchronous backends (GPUs): a handler's error
+    (a mismatch found by the checks) must be raised here, at the call, on
+    every rank. Returned unfinished, the error would surface only where the
+    results are read, after this rank had posted its next message, which
+    its partner, having raised, never takes (a hang).
+    """
+    return run_eager(_compiled(prim, tuple(sorted(params.items()))), args)
 
 
 def new_expanded_primitive(
@@ -189,11 +197,21 @@ def register_lowering(
     aliases: dict[int, int] | None = None,
     token_only_result: bool = False,
     on_lower: Callable[..., None] | None = None,
+    local: Callable[..., Sequence[Any]] | None = None,
+    local_if: Callable[..., bool] | None = None,
 ) -> None:
     """Lowering of `prim` to the FFI handler `target`, threading the token.
 
     Registered for the CPU and, in builds with the CUDA handlers, for CUDA
     (the same target name; XLA picks the handler of the platform).
+
+    On a one-rank communicator an operation with a `local` rule lowers to
+    that rule instead: plain XLA operations, no custom call, so nothing is
+    staged through the host and nothing synchronises a GPU stream (a 1-rank
+    solve runs as jax.scipy's would). JVP, transpose and batching rules bind
+    the primitive again, so every AD and vmap mode gets the local lowering.
+    The MPI token passes through unchanged: with one rank there is no other
+    process to be ordered with.
 
     Args:
       attrs: params -> the handler's attributes (numpy scalars of their types).
@@ -203,6 +221,11 @@ def register_lowering(
       on_lower: ``(ctx, **params)``, called when a traced program lowers the
         primitive (not for eager calls): a check that needs the whole traced
         program (the non-blocking operations' start/wait pairing).
+      local: ``(*operands, **params) -> list of results``, jnp code
+        computing what the operation returns when ``params["comm"].size == 1``.
+      local_if: ``(*avals_in, **params) -> bool``, whether `local` applies
+        to this call (default: always); a call it refuses (a message to
+        itself that only MPI can match) lowers to the handler.
     """
     alias_map = None
     if aliases:
@@ -219,10 +242,23 @@ def register_lowering(
         rule = jax.ffi.ffi_lowering(target, has_side_effect=True, **extra)
         return rule(sub, token, *operands, site=np.int64(site), **attrs(**params))
 
+    def local_results(ctx, operands, params, avals_out):
+        """The results of `local`, lowered, or None when the call needs MPI."""
+        if local is None or not elide_one_rank() or params["comm"].size != 1:
+            return None
+        if local_if is not None and not local_if(*ctx.avals_in, **params):
+            return None
+        sub = _compat.effect_free_lowering_context(ctx, list(ctx.avals_in), avals_out)
+        return mlir.lower_fun(lambda *xs: list(local(*xs, **params)), multiple_results=True)(sub, *operands)
+
     def lowering(ctx, *operands, **params):
         if on_lower is not None:
             on_lower(ctx, **params)
         avals_out = [] if token_only_result else list(ctx.avals_out)
+        results = local_results(ctx, operands, params, avals_out)
+        if results is not None:
+            _compat.set_token_out(ctx, mpi_effect, _compat.token_in(ctx, mpi_effect))
+            return list(results)
         token_out, *results = emit(
             ctx, _compat.token_in(ctx, mpi_effect), operands, params, avals_out, next(_call_sites)
         )
@@ -230,6 +266,10 @@ def register_lowering(
         return results
 
     def twin_lowering(ctx, *operands, **params):
+        avals_out = [] if token_only_result else list(ctx.avals_out)
+        results = local_results(ctx, operands, params, avals_out)
+        if results is not None:
+            return [mlir.ir_constant(np.zeros((), np.int32))] if token_only_result else list(results)
         # Site 0: an eager call, checked every time (csrc/checks.h).
         if token_only_result:
             emit(ctx, _compat.fresh_token(), operands, params, [], EAGER_SITE)
@@ -245,6 +285,18 @@ def register_lowering(
     for platform in platforms:
         mlir.register_lowering(prim, lowering, platform=platform)
         mlir.register_lowering(_eager_twins[prim], twin_lowering, platform=platform)
+
+
+# One-rank communicators: operations lower to their local result (see
+# register_lowering). DISTLINALG_ONE_RANK_LOCAL=0 lowers them to the handlers
+# as on any communicator (to test the handlers on one rank). Read when a
+# program is lowered; programs already compiled keep what they were given.
+ONE_RANK_LOCAL = _env.switch("DISTLINALG_ONE_RANK_LOCAL", True)
+
+
+def elide_one_rank() -> bool:
+    """Whether operations on one-rank communicators lower to their local result."""
+    return ONE_RANK_LOCAL
 
 
 # Call sites of compiled programs: every lowering of a primitive gets its own

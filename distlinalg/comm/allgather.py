@@ -17,7 +17,9 @@ from ._core import ad, batching
 
 allgather_p = _core.new_primitive("allgather")
 _core.def_abstract_eval(allgather_p, lambda x, *, comm: _core.shaped((comm.size, *x.shape), x.dtype))
-_core.register_lowering(allgather_p, "distlinalg_allgather", lambda *, comm: {"comm": _core.comm_attr(comm)})
+_core.register_lowering(
+    allgather_p, "distlinalg_allgather", lambda *, comm: {"comm": _core.comm_attr(comm)}, local=lambda x, **_: [x[None]]
+)
 
 
 def _allgather_jvp(primals, tangents, *, comm: Communicator):

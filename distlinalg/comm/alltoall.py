@@ -18,7 +18,9 @@ from ._core import ad, batching
 
 alltoall_p = _core.new_primitive("alltoall")
 _core.def_abstract_eval(alltoall_p, lambda x, *, comm: _core.shaped(x.shape, x.dtype))
-_core.register_lowering(alltoall_p, "distlinalg_alltoall", lambda *, comm: {"comm": _core.comm_attr(comm)})
+_core.register_lowering(
+    alltoall_p, "distlinalg_alltoall", lambda *, comm: {"comm": _core.comm_attr(comm)}, local=lambda x, **_: [x]
+)
 
 
 def _alltoall_jvp(primals, tangents, *, comm: Communicator):

@@ -18,7 +18,11 @@ from . import _core
 barrier_p = _core.new_primitive("barrier", multiple_results=True)
 _core.def_abstract_eval(barrier_p, lambda *, comm: [])
 _core.register_lowering(
-    barrier_p, "distlinalg_barrier", lambda *, comm: {"comm": _core.comm_attr(comm)}, token_only_result=True
+    barrier_p,
+    "distlinalg_barrier",
+    lambda *, comm: {"comm": _core.comm_attr(comm)},
+    token_only_result=True,
+    local=lambda **_: [],
 )
 
 

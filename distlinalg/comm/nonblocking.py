@@ -127,24 +127,42 @@ def _check_waited(start: str) -> Any:
 
 
 # ---------------------------------------------------------------------------
-# The start primitives: x -> a zero-byte marker shaped (*result_shape, 0).
-def _new_start(name: str, result_shape, attrs) -> Any:
+# The start primitives: x -> a marker shaped (*result_shape, d).
+#
+# d = 0 (a zero-byte marker) on communicators of several ranks: the result
+# travels inside the extension, from the start's request to the wait. On a
+# one-rank communicator d = 1 and the marker *is* the result: the start
+# lowers to it and the wait to marker[..., 0], with no custom call (see
+# comm._core.register_lowering's `local`). Markers change shape only by
+# reshapes in the AD rules below, which move the data along on one rank.
+def marker_depth(comm: Communicator) -> int:
+    """The length of a collective request marker's last axis: 1 when it carries the result."""
+    return 1 if comm.size == 1 and _core.elide_one_rank() else 0
+
+
+def _new_start(name: str, result_shape, attrs, local_result) -> Any:
     prim = _core.new_primitive(name)
     _core.def_abstract_eval(
-        prim, lambda x, *, comm, key, **params: _core.shaped((*result_shape(x.shape, comm), 0), x.dtype)
+        prim,
+        lambda x, *, comm, key, **params: _core.shaped((*result_shape(x.shape, comm), marker_depth(comm)), x.dtype),
     )
     _core.register_lowering(
         prim,
         f"distlinalg_{name}",
         lambda *, comm, key, **params: {"comm": _core.comm_attr(comm), **attrs(**params), "request": _key_number(key)},
         on_lower=_check_waited(name),
+        local=lambda x, **_: [local_result(x)[..., None]],
     )
     return prim
 
 
-iallreduce_p = _new_start("iallreduce", lambda shape, comm: shape, lambda *, op: {"op": np.int32(op)})
-iallgather_p = _new_start("iallgather", lambda shape, comm: (comm.size, *shape), lambda: {})
-ireduce_scatter_p = _new_start("ireduce_scatter", lambda shape, comm: shape[1:], lambda *, op: {"op": np.int32(op)})
+iallreduce_p = _new_start(
+    "iallreduce", lambda shape, comm: shape, lambda *, op: {"op": np.int32(op)}, lambda x: x
+)
+iallgather_p = _new_start("iallgather", lambda shape, comm: (comm.size, *shape), lambda: {}, lambda x: x[None])
+ireduce_scatter_p = _new_start(
+    "ireduce_scatter", lambda shape, comm: shape[1:], lambda *, op: {"op": np.int32(op)}, lambda x: x[0]
+)
 
 _STARTS = {"iallreduce": iallreduce_p, "iallgather": iallgather_p, "ireduce_scatter": ireduce_scatter_p}
 # The operation whose start transposes the wait of each (the adjoint map).
@@ -171,7 +189,14 @@ _core.def_abstract_eval(
         marker.shape[:-1] if start != "isend" else (0,), marker.dtype
     ),
 )
-_core.register_lowering(wait_p, "distlinalg_wait", lambda *, comm, key, start, route: {"request": _key_number(key)})
+_core.register_lowering(
+    wait_p,
+    "distlinalg_wait",
+    lambda *, comm, key, start, route: {"request": _key_number(key)},
+    # One rank: a collective's marker holds its result (marker_depth).
+    local=lambda marker, **_: [marker[..., 0]],
+    local_if=lambda marker, *, start, **_: start in _STARTS and marker.shape[-1] == 1,
+)
 
 
 def _bind_wait(marker: Any, *, comm: Communicator, key: tuple, start: str, route: Any = None) -> Any:
@@ -214,8 +239,9 @@ def _start_transpose(start: str):
         # The wait's transpose started the adjoint operation under the
         # adjoint key; its marker arrives here as the cotangent.
         adjoint = _ADJOINT[start]
-        # (Markers hold no data: the adjoint's is reshaped to x's shape.)
-        marker = jnp.reshape(_core.instantiate(ct), (*x.aval.shape, 0))
+        # (The adjoint's marker is reshaped to x's shape: it holds no data,
+        # or on one rank the adjoint's result, which has x's elements.)
+        marker = jnp.reshape(_core.instantiate(ct), (*x.aval.shape, marker_depth(comm)))
         return (_bind_wait(marker, comm=comm, key=_adjoint_key(key), start=adjoint),)
 
     return transpose
@@ -236,7 +262,8 @@ def _wait_transpose(ct, marker, *, comm, key, start, route):
     adjoint = _ADJOINT[start]
     ct = _core.instantiate(ct)  # every rank posts the adjoint message, zero or not
     adjoint_marker = _bind_start(adjoint, ct, comm=comm, key=_adjoint_key(key), **_sum_params(adjoint))
-    # The cotangent of this wait's marker: no data, the marker's shape.
+    # The cotangent of this wait's marker: the marker's shape (no data, or
+    # on one rank the adjoint's result, with the marker's elements).
     return (jnp.reshape(adjoint_marker, marker.aval.shape),)
 
 
@@ -257,7 +284,7 @@ def _start_batch(start: str):
 
 def _wait_batch(args, dims, *, comm, key, start, route):
     (marker,), (d,) = args, dims
-    if d == marker.ndim - 1:  # the zero-size axis stays last
+    if d == marker.ndim - 1:  # the marker's depth axis stays last
         marker, d = jnp.moveaxis(marker, d, 0), 0
     out = wait_p.bind(marker, comm=comm, key=key, start=start, route=route)
     return out, (_compat.not_mapped if start == "isend" else d)
@@ -277,9 +304,11 @@ batching.primitive_batchers[wait_p] = _wait_batch
 class Request:
     """A non-blocking operation under way; pass it to :func:`wait`.
 
-    A pytree whose leaves are zero-byte markers (one per leaf of the
-    operand), so it passes through ``jax.vmap`` and loop bodies like any
-    value; it holds no data of its own.
+    A pytree whose leaves are markers (one per leaf of the operand), so it
+    passes through ``jax.vmap`` and loop bodies like any value. On several
+    ranks a marker is zero-byte, shaped ``(*result, 0)``: the data travels
+    in MPI. On a one-rank communicator a collective's marker is the result
+    itself, shaped ``(*result, 1)``, and nothing is sent.
 
     Example:
       >>> import jax
@@ -288,8 +317,8 @@ class Request:
       >>> request = comm.iallreduce({"a": jnp.ones(2), "b": jnp.zeros((3, 2))})
       >>> isinstance(request, comm.Request)
       True
-      >>> [leaf.shape for leaf in jax.tree_util.tree_leaves(request)]   # markers: no data
-      [(2, 0), (3, 2, 0)]
+      >>> [leaf.shape[:-1] for leaf in jax.tree_util.tree_leaves(request)]   # (*result, 0 or 1)
+      [(2,), (3, 2)]
       >>> out = comm.wait(request)
       >>> out["a"].tolist() == [comm.size()] * 2, out["b"].shape
       (True, (3, 2))
@@ -438,6 +467,13 @@ def wait(request: Request) -> Any:
         )
     if request.start in _P2P_WAITERS:
         return _P2P_WAITERS[request.start](request)
+    if _compat.at_top_level() and marker_depth(request.comm) == 1:
+        # One rank: the markers hold the result and the extension keeps no
+        # request, so its check that a request is waited for once is made here.
+        for key in request.keys:
+            if key not in _eager_pending:
+                raise RuntimeError(f"distlinalg: {request.start}: request {int(_key_number(key))} was not "
+                                   "started (or was waited for already)")
     results = [
         _bind_wait(marker, comm=request.comm, key=key, start=request.start)
         for marker, key in zip(request.markers, request.keys)

@@ -93,6 +93,37 @@ from . import _core
 from ._core import ad, batching
 
 # ---------------------------------------------------------------------------
+# One-rank communicators (comm._core.register_lowering's `local`): an exchange
+# with itself, or with PROC_NULL on both sides, is computed without MPI. A
+# message to itself that the same call does not receive (a send to 0 while
+# receiving from PROC_NULL, tags that differ, another dtype, a longer
+# message) is left to MPI, which reports or matches it as it would on any
+# communicator.
+def _receives_own_message(s, r, *, source, dest, sendtag, recvtag, **_) -> bool:
+    return (
+        dest == 0
+        and source in (0, MPI.ANY_SOURCE)
+        and recvtag in (sendtag, MPI.ANY_TAG)
+        and s.dtype == r.dtype
+        and math.prod(s.shape) <= math.prod(r.shape)
+    )
+
+
+def _exchanges_locally(s, r, *, source, dest, **params) -> bool:
+    both_null = source == PROC_NULL and dest == PROC_NULL
+    return both_null or _receives_own_message(s, r, source=source, dest=dest, **params)
+
+
+def _local_exchange(s, r, *, dest, **_):
+    """What an exchange on one rank receives: its own message over the template's head."""
+    if dest == PROC_NULL:
+        return [r]
+    n = math.prod(s.shape)
+    received = jnp.concatenate([jnp.ravel(s), jnp.ravel(r)[n:]]) if n < math.prod(r.shape) else jnp.ravel(s)
+    return [received.reshape(r.shape)]
+
+
+# ---------------------------------------------------------------------------
 # sendrecv: the plain exchange (one MPI_Sendrecv)
 sendrecv_p = _core.new_primitive("sendrecv")
 _core.def_abstract_eval(
@@ -114,6 +145,8 @@ _core.register_lowering(
     # into the loop carry (2x at 16 MiB). A template that lives on costs XLA
     # one copy of it; the handler skips its own copy when the buffers match.
     aliases={1: 0},
+    local=_local_exchange,
+    local_if=_exchanges_locally,
 )
 
 
@@ -226,6 +259,12 @@ def _tangent_exchange(ts, tr, delivered, *, comm, source, dest, sendtag, recvtag
     def received(ts, tr):
         return sendrecv_p.bind(ts, tr, source=source, **params)
 
+    if _core.elide_one_rank() and comm.size == 1 and _receives_own_message(ts, tr, source=source, **params):
+        # One rank: the source is this very call, which differentiates (it is
+        # here), so its flag is set; the branch that would send a tangent no
+        # call receives is left out (it would keep a custom call in the program).
+        return received(ts, tr)
+
     def source_constant(ts, tr):
         sendrecv_p.bind(ts, tr, source=PROC_NULL, **params)
         return jnp.zeros(tr.shape, tr.dtype)
@@ -242,6 +281,9 @@ _core.register_lowering(
     "distlinalg_send",
     lambda *, comm, dest, tag: {"comm": _core.comm_attr(comm), "dest": np.int32(dest), "tag": np.int32(tag)},
     token_only_result=True,
+    # One rank: a send to PROC_NULL sends nothing; one to itself needs MPI's matching.
+    local=lambda x, **_: [],
+    local_if=lambda x, *, dest, **_: dest == PROC_NULL,
 )
 
 
@@ -290,6 +332,8 @@ _core.register_lowering(
     lambda *, comm, source, tag: {"comm": _core.comm_attr(comm), "source": np.int32(source), "tag": np.int32(tag)},
     # Aliased, as for sendrecv.
     aliases={0: 0},
+    local=lambda t, **_: [t],
+    local_if=lambda t, *, source, **_: source == PROC_NULL,
 )
 
 

@@ -65,6 +65,9 @@ _core.register_lowering(
         "op": np.int32(op),
         "exclusive": bool(exclusive),
     },
+    # One rank: the inclusive prefix is x; the exclusive one is the handler's
+    # zeros (the identity is added by _scan_value, as on rank 0 of any size).
+    local=lambda x, *, exclusive, **_: [jnp.zeros_like(x) if exclusive else x],
 )
 
 
