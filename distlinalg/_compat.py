@@ -457,3 +457,12 @@ def lowering_trace() -> bool:
     except ValueError:
         return False
     return True
+
+
+def carries_tangent(x: Any) -> bool:
+    """Whether `x` is being differentiated (a JVP or linearize tracer): for
+    arguments that a library's own AD rule would silently treat as constant."""
+    from jax._src.interpreters import ad as _ad  # private
+
+    tracers = tuple(t for t in (getattr(_ad, "JVPTracer", None), getattr(_ad, "LinearizeTracer", None)) if t)
+    return isinstance(x, tracers)

@@ -34,13 +34,16 @@ Importing this module imports lineax and equinox (``pip install
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
 
+from . import _compat
 from . import solvers as _solvers
 from ._mpi import resolve_comm
 from .comm._core import lowering_without_mpi_token, run_detached
@@ -59,6 +62,8 @@ __all__ = [
     "NormalCG",
     "Ordered",
     "result_of",
+    "layout_of",
+    "distributed_parts",
     "max_norm",
     "rms_norm",
     "two_norm",
@@ -132,8 +137,15 @@ class DistributedOperator(lx.AbstractLinearOperator):
         return self.operator.layout
 
     def mv(self, vector: Any) -> Any:
-        """A v; inside lineax's solve, in a detached token scope (module docstring)."""
+        """A v; inside lineax's solve, in a detached token scope (module docstring).
+
+        Raises ValueError when one of lineax's own solvers (lineax.CG, GMRES,
+        Normal, …) applies a sharded operator: their inner products would be
+        this rank's alone (use :class:`CG`, :class:`MINRES`, … instead).
+        """
         if lowering_without_mpi_token():
+            if self.layout == "sharded" and not _in_distlinalg_solve():
+                raise ValueError(_LINEAX_SOLVER_ON_SHARDED)
             return run_detached(_apply, self.operator, vector)
         return self.operator.matvec(vector)
 
@@ -161,13 +173,38 @@ class DistributedOperator(lx.AbstractLinearOperator):
         return self.operator.output_structure
 
 
+_LINEAX_SOLVER_ON_SHARDED = (
+    "distlinalg.lineax: one of lineax's own solvers is applying a sharded DistributedOperator; its inner "
+    "products and norms would be this rank's alone (a wrong answer). Use distlinalg.lineax.CG, MINRES, GMRES, "
+    "BiCGStab or NormalCG, whose reductions run over every rank")
+
+# Set while a distlinalg solver traces its solve (inside lineax's primitive):
+# the operators it applies are reduced over every rank by that solver.
+_solve_state = threading.local()
+
+
+def _in_distlinalg_solve() -> bool:
+    return getattr(_solve_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _distlinalg_solve() -> Iterator[None]:
+    _solve_state.depth = getattr(_solve_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _solve_state.depth -= 1
+
+
 def _check_no_hidden_tracers(op: LinearOperator) -> None:
     """lineax moves operators through its primitive as pytrees: a traced value
     the matvec closes over (instead of holding it as a child) would be used
-    outside its trace. Caught here, at trace time, on every rank alike."""
-    children, treedef = jax.tree_util.tree_flatten(op)
+    outside its trace. Caught here, at trace time, on every rank alike.
+    (Children that are not arrays, e.g. the functions inside a lineax
+    operator carried as data, stay where they are.)"""
+    arrays, rest = eqx.partition(op, eqx.is_array)
     example = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), op.input_structure)
-    consts = jax.make_jaxpr(lambda c, v: jax.tree_util.tree_unflatten(treedef, c).matvec(v))(children, example).consts
+    consts = jax.make_jaxpr(lambda a, v: eqx.combine(a, rest).matvec(v))(arrays, example).consts
     if any(isinstance(c, jax.core.Tracer) for c in consts):
         raise ValueError(
             f"distlinalg.lineax: the matvec of {op.name} closes over a traced value; give the operator its "
@@ -240,14 +277,71 @@ def _register() -> None:
 _register()
 
 
+def distributed_parts(op: Any) -> list[DistributedOperator]:
+    """The :class:`DistributedOperator` s inside a lineax operator (itself, or
+    those a wrapper such as ``TaggedLinearOperator``, ``AddLinearOperator``,
+    ``ComposedLinearOperator`` … holds), in tree order."""
+    return [leaf for leaf in jax.tree_util.tree_leaves(op, is_leaf=lambda x: isinstance(x, DistributedOperator))
+            if isinstance(leaf, DistributedOperator)]
+
+
+def layout_of(op: Any, default: str = "replicated") -> tuple[str, Any]:
+    """(layout, communicator) of a lineax operator: those of the
+    :class:`DistributedOperator` s it holds, `default` and distlinalg's
+    communicator when it holds none.
+
+    Raises ValueError (at trace time, on every rank: it depends only on the
+    operator's structure) when the parts disagree: a sum or product of
+    operators in different layouts, or on different communicators, has no
+    layout of its own.
+
+    Example:
+      >>> import lineax as lx
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg import operators
+      >>> A = lx.TaggedLinearOperator(dlx.operator(operators.laplacian_2d(4)), lx.positive_semidefinite_tag)
+      >>> dlx.layout_of(A)[0]                       # the wrapper keeps the sharded layout
+      'sharded'
+    """
+    parts = distributed_parts(op)
+    if not parts:
+        return default, resolve_comm(None)
+    layouts = {part.layout for part in parts}
+    comms = {part.operator.comm for part in parts}
+    if len(layouts) > 1:
+        raise ValueError(
+            f"distlinalg.lineax: {type(op).__name__} combines DistributedOperators of different layouts "
+            f"({', '.join(sorted(layouts))}); a vector cannot be both this rank's block and the whole vector. "
+            "Convert one of them (distlinalg.operators) before combining")
+    if len(comms) > 1:
+        raise ValueError(f"distlinalg.lineax: {type(op).__name__} combines DistributedOperators on different "
+                         "communicators")
+    return layouts.pop(), comms.pop()
+
+
+def _lineax_matvec(op: Any, vector: Any) -> Any:
+    return op.mv(vector)
+
+
 def _as_distlinalg(op: Any, layout: str) -> LinearOperator:
-    """A distlinalg operator for a lineax one (a DistributedOperator's own, or
-    lineax's ``mv`` in `layout`)."""
+    """A distlinalg operator for a lineax one: a DistributedOperator's own;
+    any other lineax operator (lineax's Matrix, Function, Jacobian, Tagged,
+    Add, Composed, … around DistributedOperators or not) carried as the
+    operator's data, so its arrays are children that every AD mode traces,
+    in the layout and communicator of the DistributedOperators it holds
+    (`layout` and distlinalg's communicator when it holds none). The
+    transpose is distlinalg's (``LinearOperator.T``): exact also for a
+    replicated matvec that communicates."""
     if isinstance(op, DistributedOperator):
         return op.operator
+    layout, comm = layout_of(op, layout)
     symmetric = bool(lx.is_symmetric(op))
-    return LinearOperator(op.mv, input_structure=op.in_structure(), output_structure=op.out_structure(),
-                          layout=layout, symmetric=symmetric, hermitian=symmetric)
+    real = not any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in jax.tree_util.tree_leaves(op.in_structure()))
+    # lineax's semidefinite tags mean Hermitian semidefinite; symmetric is Hermitian when real.
+    hermitian = bool(lx.is_positive_semidefinite(op) or lx.is_negative_semidefinite(op)) or (symmetric and real)
+    return LinearOperator(_lineax_matvec, data=op, input_structure=op.in_structure(),
+                          output_structure=op.out_structure(), layout=layout, symmetric=symmetric,
+                          hermitian=hermitian, comm=comm, name=f"lineax.{type(op).__name__}")
 
 
 # ---------------------------------------------------------------------------
@@ -302,6 +396,7 @@ class _KrylovSolver(lx.AbstractLinearSolver):
                 jax.tree_util.tree_structure(operator.out_structure()):
             raise ValueError(f"distlinalg.lineax.{type(self).__name__}: the operator must be square "
                              "(use NormalCG for least squares)")
+        layout_of(operator, self.layout)  # parts in different layouts raise here, at trace time
         return operator
 
     def compute(self, state: Any, vector: Any, options: dict[str, Any]) -> tuple[Any, lx.RESULTS, dict]:
@@ -312,7 +407,8 @@ class _KrylovSolver(lx.AbstractLinearSolver):
             A = _as_distlinalg(operator, self.layout)
             M = None if precond is None else (precond.mv if isinstance(precond, lx.AbstractLinearOperator)
                                               else precond)
-            x, info = self._solve(A, vector, x0, M)
+            with _distlinalg_solve():
+                x, info = self._solve(A, vector, x0, M)
             return x, info.reason, info.iterations, info.residual_norm
 
         # Inside linear_solve_p: no MPI token from JAX (module docstring).
@@ -405,6 +501,16 @@ class MINRES(_KrylovSolver):
     """
 
     shift: float = 0.0
+
+    def __check_init__(self) -> None:
+        if _compat.carries_tangent(self.shift):
+            # lineax's linear_solve treats its solver as constant (and raises
+            # "Unexpected tangent" for a differentiated one).
+            raise ValueError(
+                "distlinalg.lineax.MINRES: the shift is being differentiated, and lineax's linear_solve does not "
+                "differentiate its solver's fields. Put the shift in the operator instead "
+                "(lx.AddLinearOperator(A, -shift * lx.IdentityLinearOperator(...)), or distlinalg's "
+                "A - shift * I), or call distlinalg.minres(A, b, shift=shift), which differentiates it")
 
     def _solve(self, A: LinearOperator, b: Any, x0: Any, M: Any) -> Any:
         return _solvers.minres(A, b, x0, shift=self.shift, rtol=self.rtol, atol=self.atol,
@@ -506,9 +612,11 @@ class NormalCG(lx.AbstractLinearSolver):
         def solve(operator: Any, vector: Any) -> Any:
             transpose = _distributed_transpose(operator, self.input_layout, self.output_layout)
             normal = LinearOperator(lambda v: transpose(operator.mv(v)), input_structure=operator.in_structure(),
-                                    layout=self.input_layout, symmetric=True, hermitian=True)
-            x, info = _solvers.cg(normal, transpose(vector), rtol=self.rtol, atol=self.atol,
-                                  maxiter=self.max_steps)
+                                    layout=self.input_layout, symmetric=True, hermitian=True,
+                                    comm=layout_of(operator)[1])
+            with _distlinalg_solve():
+                x, info = _solvers.cg(normal, transpose(vector), rtol=self.rtol, atol=self.atol,
+                                      maxiter=self.max_steps)
             return x, info.reason, info.iterations, info.residual_norm
 
         x, reason, iterations, residual_norm = run_detached(solve, state, vector)
@@ -531,7 +639,7 @@ def _distributed_transpose(op: Any, input_layout: str, output_layout: str) -> Ca
     if isinstance(op, DistributedOperator):
         return op.operator.transpose_matvec
     transpose_of = jax.linear_transpose(op.mv, op.in_structure())
-    comm = resolve_comm(None)
+    comm = layout_of(op)[1]
 
     def apply(w: Any) -> Any:
         if output_layout == "replicated" and comm.size > 1:
@@ -578,6 +686,8 @@ class Ordered(lx.AbstractLinearSolver):
     solver: lx.AbstractLinearSolver
 
     def init(self, operator: Any, options: dict[str, Any]) -> Any:
+        if layout_of(operator)[0] == "sharded":
+            raise ValueError(_LINEAX_SOLVER_ON_SHARDED)
         return self.solver.init(operator, options)
 
     def compute(self, state: Any, vector: Any, options: dict[str, Any]) -> Any:
@@ -640,3 +750,32 @@ def rms_norm(tree: Any) -> Any:
     count = allreduce(jnp.asarray(float(sum(x.size for x in leaves))), "sum")
     squares = sum(jnp.sum(jnp.abs(x) ** 2) for x in leaves) if leaves else jnp.zeros(())
     return jnp.sqrt(allreduce(squares, "sum") / count)
+
+
+# ---------------------------------------------------------------------------
+# optimistix's least-squares solvers over ranks (distlinalg/_optimistix.py),
+# when optimistix is installed (the [lineax] extra installs both).
+try:
+    import optimistix as _optimistix  # noqa: F401
+except ImportError:  # lineax alone: the linear solvers above
+    pass
+else:
+    from ._optimistix import (  # noqa: E402
+        DampedNewtonDescent,
+        Dogleg,
+        DoglegDescent,
+        GaussNewton,
+        ImplicitAdjoint,
+        IndirectDampedNewtonDescent,
+        IndirectLevenbergMarquardt,
+        LevenbergMarquardt,
+        TrustRegion,
+        damped_step,
+        install as _install_least_squares,
+        least_squares,
+    )
+
+    _install_least_squares()
+    __all__ += ["TrustRegion", "DampedNewtonDescent", "IndirectDampedNewtonDescent", "DoglegDescent",
+                "GaussNewton", "LevenbergMarquardt", "IndirectLevenbergMarquardt", "Dogleg", "ImplicitAdjoint",
+                "least_squares", "damped_step"]

@@ -227,3 +227,246 @@ def test_optimistix_gauss_newton_over_sharded_data(comm, rank, size):
                                   max_steps=50).value
     np.testing.assert_allclose(np.asarray(fit), np.asarray(expected), rtol=1e-7)
     assert all(np.array_equal(other, np.asarray(fit)) for other in comm.allgather(np.asarray(fit)))
+
+
+# ---------------------------------------------------------------------------
+# lineax's own operators with distlinalg's solvers (issue 41, item 2)
+def _lineax_operators(M, theta):
+    """Each lineax operator type, built from the replicated matrix M (SPD) and
+    the scalar θ, all equal to M + θ I: name -> operator."""
+    n = M.shape[0]
+    structure = jax.ShapeDtypeStruct((n,), M.dtype)
+    psd = lx.positive_semidefinite_tag
+    shifted = M + theta * jnp.eye(n)
+    return {
+        "Matrix": lx.MatrixLinearOperator(shifted, psd),
+        "Function": lx.FunctionLinearOperator(lambda v: M @ v + theta * v, structure, psd),
+        "Jacobian": lx.JacobianLinearOperator(lambda y, args: args[0] @ y + args[1] * y + jnp.sin(args[1]),
+                                              jnp.zeros(n, M.dtype), args=(M, theta), tags=psd),
+        "Tagged": lx.TaggedLinearOperator(lx.MatrixLinearOperator(shifted), psd),
+        "Add": lx.TaggedLinearOperator(
+            lx.AddLinearOperator(lx.MatrixLinearOperator(M), lx.DiagonalLinearOperator(theta * jnp.ones(n))), psd),
+        "Mul": lx.TaggedLinearOperator(lx.MulLinearOperator(lx.MatrixLinearOperator(shifted / 2), 2.0), psd),
+        "Composed": lx.TaggedLinearOperator(
+            lx.ComposedLinearOperator(lx.MatrixLinearOperator(shifted), lx.IdentityLinearOperator(structure)), psd),
+        "Diagonal": lx.TaggedLinearOperator(lx.DiagonalLinearOperator(jnp.diag(shifted)), psd),
+    }
+
+
+@pytest.mark.parametrize("kind", ["Matrix", "Function", "Jacobian", "Tagged", "Add", "Mul", "Composed", "Diagonal"])
+def test_lineax_operators_in_every_ad_mode(comm, rank, size, kind):
+    """lineax's operators (replicated: every rank holds them) solved by
+    distlinalg's CG and GMRES: the solution, reverse-mode gradients with
+    respect to b and to the operator's own arrays (M, θ), and the forward-mode
+    derivative, against numpy/jax on the matrix M + θ I."""
+    M0 = jnp.asarray(spd(5, 11))
+    if kind == "Diagonal":
+        M0 = jnp.diag(jnp.diag(M0))
+    b0 = jnp.linspace(0.5, 1.5, 5)
+
+    def reference(b, M, theta):
+        return jnp.sum(jnp.linalg.solve(M + theta * jnp.eye(5), b) ** 3)
+
+    for solver in (make_solver("CG"), make_solver("GMRES")):
+        def loss(b, M, theta):
+            op = _lineax_operators(M, theta)[kind]
+            return jnp.sum(lx.linear_solve(op, b, solver=solver).value ** 3)
+
+        value = jax.jit(loss)(b0, M0, 0.3)
+        np.testing.assert_allclose(float(value), float(reference(b0, M0, 0.3)), rtol=1e-9)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(b0, M0, 0.3)
+        expected = jax.grad(reference, argnums=(0, 1, 2))(b0, M0, 0.3)
+        names = ("b", "M", "theta")
+        for name, g, e in zip(names, grads, expected):
+            if kind == "Diagonal" and name == "M":
+                g, e = jnp.diag(g), jnp.diag(e)  # only the diagonal enters
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-8, atol=1e-12,
+                                       err_msg=f"{kind} {type(solver).__name__} d/d{name}")
+        tangents = (jnp.linspace(1.0, -1.0, 5), jnp.asarray(spd(5, 12)) * 0.01, 0.2)
+        if kind == "Diagonal":
+            tangents = (tangents[0], jnp.diag(jnp.diag(tangents[1])), tangents[2])
+        _, t_out = jax.jit(lambda p, t: jax.jvp(loss, p, t))((b0, M0, 0.3), tangents)
+        _, e_out = jax.jvp(reference, (b0, M0, 0.3), tangents)
+        np.testing.assert_allclose(float(t_out), float(e_out), rtol=1e-8, err_msg=f"{kind} jvp")
+
+
+# ---------------------------------------------------------------------------
+# lineax wrappers keep the layout of the DistributedOperators inside (item 3)
+def _laplacian_system(comm):
+    lap = ops.laplacian_2d(4, comm=comm)
+    start, stop = lap.grid_rows
+    rhs = np.sin(np.arange(16.0)) + 1.0
+    dense = np.asarray(ops.laplacian_2d(4, comm=comm).to_dense())
+    return lap, jnp.asarray(rhs[start * 4 : stop * 4]), rhs, dense
+
+
+@pytest.mark.parametrize("wrapper", ["Tagged", "Mul", "Add", "Composed", "Neg"])
+def test_lineax_wrappers_keep_the_sharded_layout(comm, rank, size, wrapper):
+    """Wrapping a sharded DistributedOperator in lineax's wrappers keeps its
+    layout: distlinalg's CG reduces over every rank, and the solution and the
+    gradient with respect to b match numpy on the global matrix."""
+    lap, b_local, rhs, dense = _laplacian_system(comm)
+    psd = lx.positive_semidefinite_tag
+    A = dlx.operator(lap)
+    wrapped, matrix = {
+        "Tagged": (lx.TaggedLinearOperator(A, psd), dense),
+        "Mul": (lx.TaggedLinearOperator(lx.MulLinearOperator(A, 2.0), psd), 2 * dense),
+        "Add": (lx.TaggedLinearOperator(lx.AddLinearOperator(A, A), psd), 2 * dense),
+        "Composed": (lx.TaggedLinearOperator(
+            lx.ComposedLinearOperator(A, lx.IdentityLinearOperator(A.in_structure())), psd), dense),
+        "Neg": (lx.TaggedLinearOperator(-A, lx.negative_semidefinite_tag), -dense),
+    }[wrapper]
+    assert dlx.layout_of(wrapped) == ("sharded", lap.comm)
+    solver = make_solver("MINRES" if wrapper == "Neg" else "CG")
+    sol = jax.jit(lambda b: lx.linear_solve(wrapped, b, solver=solver))(b_local)
+    assert sol.result == lx.RESULTS.successful
+    np.testing.assert_allclose(concat_blocks(sol.value, comm), np.linalg.solve(matrix, rhs), rtol=1e-9)
+
+    def loss(b):
+        return allreduce(jnp.sum(jnp.sin(lx.linear_solve(wrapped, b, solver=solver).value)), comm=comm)
+
+    g = jax.jit(dl.ad.grad(loss, sharded=0, comm=comm))(b_local)
+    x = np.linalg.solve(matrix, rhs)
+    np.testing.assert_allclose(concat_blocks(g, comm), np.linalg.solve(matrix.T, np.cos(x)), rtol=1e-8)
+
+
+def test_lineax_operators_of_different_layouts_raise(comm, rank, size):
+    """Combining a sharded and a replicated DistributedOperator raises on every
+    rank, at trace time; so do lineax's own solvers on a sharded operator
+    (their inner products would be this rank's alone)."""
+    lap, b_local, _, _ = _laplacian_system(comm)
+    n_local = b_local.shape[0]
+    sharded = dlx.operator(lap)
+    replicated = dlx.operator(jnp.eye(n_local))
+    mixed = lx.TaggedLinearOperator(lx.AddLinearOperator(sharded, replicated), lx.positive_semidefinite_tag)
+    with pytest.raises(ValueError, match="different layouts"):
+        jax.jit(lambda b: lx.linear_solve(mixed, b, solver=make_solver("CG")).value)(b_local)
+    with pytest.raises(ValueError, match="different layouts"):
+        dlx.layout_of(mixed)
+    tagged = lx.TaggedLinearOperator(sharded, lx.positive_semidefinite_tag)
+    for own in (lx.CG(rtol=1e-10, atol=1e-10), lx.GMRES(rtol=1e-10, atol=1e-10)):
+        with pytest.raises(ValueError, match="lineax's own solvers"):
+            jax.jit(lambda b: lx.linear_solve(tagged, b, solver=own).value)(b_local)
+    with pytest.raises(ValueError, match="lineax's own solvers"):
+        jax.jit(lambda b: lx.linear_solve(tagged, b, solver=dlx.Ordered(lx.CG(rtol=1e-10, atol=1e-10))).value)(
+            b_local)
+    # Every rank raised and is still in step.
+    np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [size])
+
+
+# ---------------------------------------------------------------------------
+# optimistix's least-squares solvers on sharded residuals (issue 41, item 1)
+def _exponential_fit_data(size, rank):
+    rng = np.random.default_rng(10)
+    t_all = np.linspace(0.0, 1.0, 24)
+    y_all = 2.0 * np.exp(-1.3 * t_all) + 0.5 + 0.01 * rng.standard_normal(24)
+    part = ops.Partition.even(24, size)
+    return t_all, y_all, jnp.asarray(block(t_all, part, rank)), jnp.asarray(block(y_all, part, rank)), part
+
+
+def _exponential_residuals(theta, data):
+    t, y = data
+    return theta[0] * jnp.exp(theta[1] * t) + theta[2] - y
+
+
+def _least_squares_solver(kind):
+    normal_cg = dlx.NormalCG(rtol=1e-13, atol=0.0)
+    tolerances = dict(rtol=1e-12, atol=1e-12)
+    return {
+        "dlx.GaussNewton": lambda: dlx.GaussNewton(**tolerances),
+        "dlx.LevenbergMarquardt": lambda: dlx.LevenbergMarquardt(**tolerances, linear_solver=normal_cg),
+        "dlx.IndirectLevenbergMarquardt": lambda: dlx.IndirectLevenbergMarquardt(**tolerances,
+                                                                                 linear_solver=normal_cg),
+        "dlx.Dogleg": lambda: dlx.Dogleg(**tolerances, linear_solver=normal_cg),
+        # optimistix's own classes, as their users write them: run globally by optx.least_squares.
+        "optx.GaussNewton": lambda: optx.GaussNewton(**tolerances, norm=dlx.max_norm, linear_solver=normal_cg),
+        "optx.LevenbergMarquardt": lambda: optx.LevenbergMarquardt(**tolerances, norm=dlx.max_norm,
+                                                                   linear_solver=normal_cg),
+        "optx.IndirectLevenbergMarquardt": lambda: optx.IndirectLevenbergMarquardt(
+            **tolerances, norm=dlx.max_norm, linear_solver=normal_cg),
+        "optx.Dogleg": lambda: optx.Dogleg(**tolerances, norm=dlx.max_norm, linear_solver=normal_cg),
+    }[kind]()
+
+
+LEAST_SQUARES_KINDS = ["dlx.GaussNewton", "dlx.LevenbergMarquardt", "dlx.IndirectLevenbergMarquardt", "dlx.Dogleg",
+                       "optx.GaussNewton", "optx.LevenbergMarquardt", "optx.IndirectLevenbergMarquardt",
+                       "optx.Dogleg"]
+
+
+@pytest.mark.parametrize("kind", LEAST_SQUARES_KINDS)
+def test_optimistix_least_squares_over_sharded_residuals(comm, rank, size, kind):
+    """A fit y ≈ a·exp(k·t) + c of every rank's points by each optimistix
+    least-squares solver, against the same fit of the gathered data in one
+    process (lineax's QR): the solution (identical on every rank), its
+    forward-mode derivative with respect to the data, and the reverse-mode
+    gradient of a replicated loss of it with respect to the sharded data."""
+    t_all, y_all, t, y, part = _exponential_fit_data(size, rank)
+    theta0 = jnp.array([1.0, -0.5, 0.0])
+    solver = _least_squares_solver(kind)
+
+    def fit(y_local):
+        return optx.least_squares(_exponential_residuals, solver, theta0, args=(t, y_local), max_steps=100).value
+
+    reference_solver = optx.LevenbergMarquardt(rtol=1e-12, atol=1e-12, linear_solver=lx.QR())
+
+    def reference_fit(y_all):
+        return optx.least_squares(_exponential_residuals, reference_solver, theta0,
+                                  args=(jnp.asarray(t_all), y_all), max_steps=100).value
+
+    value = jax.jit(fit)(y)
+    np.testing.assert_allclose(np.asarray(value), np.asarray(reference_fit(jnp.asarray(y_all))), rtol=1e-7)
+    assert all(np.array_equal(other, np.asarray(value)) for other in comm.allgather(np.asarray(value)))
+
+    direction_all = np.cos(np.arange(24.0))
+    _, derivative = jax.jit(lambda y, d: jax.jvp(fit, (y,), (d,)))(y, jnp.asarray(block(direction_all, part, rank)))
+    _, expected = jax.jvp(reference_fit, (jnp.asarray(y_all),), (jnp.asarray(direction_all),))
+    np.testing.assert_allclose(np.asarray(derivative), np.asarray(expected), rtol=1e-6, atol=1e-9)
+
+    weights = jnp.array([1.0, -2.0, 0.5])
+    gradient = jax.jit(dl.ad.grad(lambda y: jnp.sum(weights * fit(y) ** 2), sharded=0, comm=comm))(y)
+    expected = jax.grad(lambda y: jnp.sum(weights * reference_fit(y) ** 2))(jnp.asarray(y_all))
+    np.testing.assert_allclose(concat_blocks(gradient, comm), np.asarray(expected), rtol=1e-6, atol=1e-9)
+
+
+def test_optimistix_compositions_that_cannot_be_global_raise(comm, rank, size):
+    """optimistix solvers whose decisions would come from this rank's residuals
+    raise on every rank before anything runs."""
+    _, _, t, y, _ = _exponential_fit_data(size, rank)
+    theta0 = jnp.array([1.0, -0.5, 0.0])
+
+    def run(solver):
+        return optx.least_squares(_exponential_residuals, solver, theta0, args=(t, y), max_steps=5, throw=False)
+
+    with pytest.raises(ValueError, match="NormalCG"):
+        run(optx.LevenbergMarquardt(1e-8, 1e-8, norm=dlx.max_norm, linear_solver=lx.QR()))
+    with pytest.raises(ValueError, match="NormalCG"):
+        dlx.Dogleg(1e-8, 1e-8, linear_solver=lx.QR())
+    with pytest.raises(ValueError, match="minimiser"):
+        run(optx.BFGS(1e-8, 1e-8, norm=dlx.max_norm))
+    np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [size])
+
+
+def test_minres_shift_under_differentiation(comm, rank, size):
+    """dlx.MINRES(shift=σ) with σ differentiated raises on every rank, naming
+    the ways that differentiate it (lineax treats its solver as constant);
+    the shift moved into the operator is differentiated."""
+    M = jnp.asarray(spd(4, 21)) - 3.0 * jnp.eye(4)
+    b = jnp.linspace(1.0, 2.0, 4)
+
+    def through_solver(s):
+        return jnp.sum(lx.linear_solve(dlx.operator(M), b, solver=dlx.MINRES(rtol=1e-12, atol=0.0, shift=s)).value)
+
+    with pytest.raises(ValueError, match="shift is being differentiated"):
+        jax.grad(through_solver)(0.5)
+    np.testing.assert_allclose(float(jax.jit(through_solver)(0.5)),
+                               float(jnp.sum(jnp.linalg.solve(M - 0.5 * jnp.eye(4), b))), rtol=1e-9)
+
+    def through_operator(s):
+        shifted = lx.AddLinearOperator(lx.MatrixLinearOperator(M, lx.symmetric_tag),
+                                       lx.DiagonalLinearOperator(-s * jnp.ones(4)))
+        return jnp.sum(lx.linear_solve(lx.TaggedLinearOperator(shifted, lx.symmetric_tag), b,
+                                       solver=dlx.MINRES(rtol=1e-12, atol=0.0)).value)
+
+    expected = jax.grad(lambda s: jnp.sum(jnp.linalg.solve(M - s * jnp.eye(4), b)))(0.5)
+    np.testing.assert_allclose(float(jax.jit(jax.grad(through_operator))(0.5)), float(expected), rtol=1e-8)
+    np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [size])
