@@ -26,10 +26,13 @@ def test_iallreduce_other_ops(comm, rank, size, op):
     np.testing.assert_allclose(jax.jit(lambda v: C.wait(C.iallreduce(v, op, comm=comm)))(x), expected, rtol=1e-13)
 
 
-def test_non_sum_iallreduce_is_not_differentiable(comm):
-    """Raised at trace time on every rank, before anything is posted."""
-    with pytest.raises(NotImplementedError, match="op=max is not differentiable"):
-        jax.grad(lambda v: jnp.sum(C.wait(C.iallreduce(v, "max", comm=comm))))(jnp.ones(3))
+def test_non_sum_iallreduce_is_differentiable(comm, size):
+    """max over equal values on every rank: the ties share the derivative
+    equally, exactly as for the blocking allreduce (issue 42)."""
+    g = jax.grad(lambda v: jnp.sum(C.wait(C.iallreduce(v, "max", comm=comm))))(jnp.ones(3))
+    blocking = jax.grad(lambda v: jnp.sum(C.allreduce(v, "max", comm=comm)))(jnp.ones(3))
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(blocking))
+    np.testing.assert_allclose(np.asarray(g), np.ones(3))  # (1/size of the total over size copies of the loss)
 
 
 def test_pytree_operand(comm, rank, size):

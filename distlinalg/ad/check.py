@@ -81,6 +81,15 @@ def _random_like(tree: Any, rng: np.random.Generator) -> Any:
     return jax.tree_util.tree_map(one, tree)
 
 
+def _random_masked(tree: Any, replicated: Any, own: np.random.Generator, shared: np.random.Generator) -> Any:
+    """Random directions shaped like `tree`: from `shared` (the same on every
+    rank) where `replicated` (a bool, or a tuple of such for a tuple tree) is
+    True, from this rank's `own` generator elsewhere."""
+    if isinstance(replicated, (bool, np.bool_)):
+        return _random_like(tree, shared if replicated else own)
+    return tuple(_random_masked(t, r, own, shared) for t, r in zip(tree, replicated, strict=True))
+
+
 def _step(tree: Any, scale: float, direction: Any) -> Any:
     return jax.tree_util.tree_map(lambda x, d: x + (scale * d).astype(jnp.result_type(x)), tree, direction)
 
@@ -110,6 +119,13 @@ class _Checker:
         # replicated: that would hide errors in how ranks' inputs mix), the
         # same sequence of draws on every call.
         self.rng = np.random.default_rng([0x5EED, comm.rank])
+        # Directions of replicated arguments: one generator seeded alike on
+        # every rank, drawn from in the same order everywhere (the argument
+        # structure is the same on every rank).
+        self.shared_rng = np.random.default_rng([0x5EED, 0xA11])
+
+    def direction(self, args: tuple, replicated: Any) -> Any:
+        return _random_masked(args, replicated, self.rng, self.shared_rng)
 
     # ------------------------------------------------------------------
     def per_rank(self, row: Sequence[float]) -> np.ndarray:
@@ -166,8 +182,8 @@ class _Checker:
                 f"on rank {worst}, where it is {table[worst, 0]:.3g} times the tolerance"
             )
 
-    def check_jvp(self, f: Callable[..., Any], args: tuple, label: str) -> None:
-        direction = _random_like(args, self.rng)
+    def check_jvp(self, f: Callable[..., Any], args: tuple, replicated: Any, label: str) -> None:
+        direction = self.direction(args, replicated)
         out, tangent_out = jax.jvp(f, args, direction)
         _check_inexact(out, "the outputs", label)
         atol, rtol, eps = self.tolerances(args, out)
@@ -182,11 +198,11 @@ class _Checker:
             rtol,
         )
 
-    def check_vjp(self, f: Callable[..., Any], args: tuple, label: str) -> None:
+    def check_vjp(self, f: Callable[..., Any], args: tuple, replicated: Any, label: str) -> None:
         out, pullback = jax.vjp(f, *args)
         _check_inexact(out, "the outputs", label)
         atol, rtol, eps = self.tolerances(args, out)
-        direction = _random_like(args, self.rng)
+        direction = self.direction(args, replicated)
         cotangent = _random_like(out, self.rng)
         forward = self.central_difference(f, args, direction, eps)
         backward = pullback(cotangent)
@@ -204,25 +220,26 @@ class _Checker:
             )
 
     # ------------------------------------------------------------------
-    def run(self, f: Callable[..., Any], args: tuple, order: int, label: str) -> None:
+    def run(self, f: Callable[..., Any], args: tuple, replicated: tuple, order: int, label: str) -> None:
         _check_inexact(args, "the arguments", label)
         if "fwd" in self.modes:
-            self.check_jvp(f, args, label)
+            self.check_jvp(f, args, replicated, label)
             if order > 1:
 
                 def jvp_fun(primals: tuple, tangents: tuple) -> Any:
                     return jax.jvp(f, primals, tangents)
 
-                self.run(jvp_fun, (args, args), order - 1, f"JVP of {label}")
+                # A replicated argument's tangent is replicated too.
+                self.run(jvp_fun, (args, args), (replicated, replicated), order - 1, f"JVP of {label}")
         if "rev" in self.modes:
-            self.check_vjp(f, args, label)
+            self.check_vjp(f, args, replicated, label)
             if order > 1:
 
                 def vjp_fun(*primals: Any) -> Any:
                     out, pullback = jax.vjp(f, *primals)
                     return pullback(out)
 
-                self.run(vjp_fun, args, order - 1, f"VJP of {label}")
+                self.run(vjp_fun, args, replicated, order - 1, f"VJP of {label}")
 
 
 def check_grads(
@@ -235,6 +252,7 @@ def check_grads(
     rtol: float | None = None,
     eps: float | None = None,
     comm: Any = None,
+    replicated: Any = (),
 ) -> None:
     """Check f's JVP and VJP as derivatives of the global SPMD function.
 
@@ -264,6 +282,17 @@ def check_grads(
       eps: finite-difference step along the random directions (entries of
         unit variance). Default 1e-5, 1e-3, 5e-2, 1e-1 respectively.
       comm: the communicator of the program (default: distlinalg's).
+      replicated: positions in `args` (an int or a sequence of ints) of
+        arguments that are replicated by meaning, the same value on every
+        rank (a scale of a replicated-layout operator, parameters every rank
+        holds). They are perturbed along one direction shared by all ranks,
+        so the check differentiates the function on the subspace where they
+        stay replicated; perturbed independently, such an argument becomes
+        rank-dependent and a program that relies on it being replicated
+        (a replicated solve) fails the check although its derivative is
+        exact. The derivatives checked are still the convention's
+        (docs/ad.md): a replicated argument's VJP on rank r is its share,
+        and the shares sum to the total.
 
     Raises:
       AssertionError on every rank (together) when a check fails anywhere,
@@ -272,7 +301,8 @@ def check_grads(
       bad arguments (integer inputs or outputs, unknown modes, order < 1).
 
     Directions are drawn from a generator seeded with the rank, so a check is
-    reproducible and every rank's direction differs.
+    reproducible and every rank's direction differs (but for `replicated`
+    arguments).
 
     Example:
       >>> import jax.numpy as jnp
@@ -281,6 +311,11 @@ def check_grads(
       ...     return comm.allreduce(jnp.sin(x)) * x       # a collective inside
       >>> x = jnp.linspace(0.1, 1.0, 4) + comm.rank()     # every rank its own input
       >>> ad.check_grads(f, (x,), order=2)                # passes (raises on every rank if not)
+      >>> import distlinalg
+      >>> A = jnp.array([[3.0, 1.0], [1.0, 2.0]])          # replicated operator, scaled by s
+      >>> def solve(s, b):
+      ...     return distlinalg.cg(lambda v: s * (A @ v), b, rtol=1e-12)[0]
+      >>> ad.check_grads(solve, (2.0, jnp.ones(2)), replicated=(0, 1))   # s and b the same on every rank
     """
     communicator = resolve_comm(comm)
     mode_tuple = (modes,) if isinstance(modes, str) else tuple(modes)
@@ -296,5 +331,13 @@ def check_grads(
     for name, value in (("atol", atol), ("rtol", rtol)):
         if value is not None and not value >= 0:
             raise ValueError(f"{_NAME}: {name} must be non-negative, got {value!r}")
+    args = tuple(args)
+    positions = (replicated,) if isinstance(replicated, (int, np.integer)) else tuple(replicated)
+    for position in positions:
+        if isinstance(position, bool) or not isinstance(position, (int, np.integer)) \
+                or not -len(args) <= position < len(args):
+            raise ValueError(f"{_NAME}: replicated must hold positions of args (0 to {len(args) - 1}), "
+                             f"got {replicated!r}")
+    mask = tuple(i in {p % len(args) for p in positions} for i in range(len(args)))
     checker = _Checker(communicator, mode_tuple, atol, rtol, eps)
-    checker.run(f, tuple(args), int(order), "f")
+    checker.run(f, args, mask, int(order), "f")

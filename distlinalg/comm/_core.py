@@ -335,8 +335,10 @@ def instantiate(ct: Any) -> Any:
 
     Rules call this before communicating: a rank whose (co)tangent is a
     symbolic zero must still take part in the collective its peers post.
+    A Python number (``jax.jvp(f, (x,), (1.0,))``, which JAX accepts)
+    becomes an array, so rules may read its dtype.
     """
-    return ad.instantiate_zeros(ct)
+    return as_array(ad.instantiate_zeros(ct))
 
 
 def is_undefined(x: Any) -> bool:

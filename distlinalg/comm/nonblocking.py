@@ -40,9 +40,10 @@ computes what lay between start and wait:
   iallgather        ẏ = AG(ẋ);  x̄ = RS_sum(ȳ)        transpose, waited at
   (ireduce_scatter  the adjoint of iallgather; x̄ = AG(ȳ))  the start's)
 
-Forward and reverse mode, every order. iallreduce with op max/min/prod is
-not differentiable (its derivative needs the result, i.e. a blocking step):
-use ``allreduce`` there; differentiating it raises at trace time.
+Forward and reverse mode, every order. iallreduce with op max/min/prod:
+its derivative needs the result, so a differentiated start computes the
+reduction and its tangent at once with allreduce's rules, and the requests
+carry them to the wait (that message does not overlap).
 vmap: one message carries the whole batch (as for the blocking operations).
 
 Progress
@@ -222,16 +223,42 @@ _P2P_TRANSPOSE: dict[str, Any] = {}
 def _start_jvp(start: str):
     def jvp(primals, tangents, *, comm, key, **params):
         (x,), (t,) = primals, tangents
-        if params.get("op", ReduceOp.SUM) != ReduceOp.SUM:
+        op = params.get("op", ReduceOp.SUM)
+        if op != ReduceOp.SUM and start == "iallreduce":
+            return _nonlinear_iallreduce_jvp(x, t, comm=comm, key=key, op=op)
+        if op != ReduceOp.SUM:
             raise NotImplementedError(
-                f"distlinalg.{start} with op={ReduceOp(params['op']).name.lower()} is not differentiable "
-                "(its derivative needs the result); use the blocking distlinalg.comm.allreduce"
+                f"distlinalg.{start} with op={ReduceOp(op).name.lower()} is not differentiable; use the blocking "
+                f"distlinalg.comm.{start[1:]}"
             )
         marker = _bind_start(start, x, comm=comm, key=key, **params)
         marker_t = _bind_start(start, _core.instantiate(t), comm=comm, key=_tangent_key(key), **params)
         return marker, marker_t
 
     return jvp
+
+
+def _nonlinear_iallreduce_jvp(x: Any, t: Any, *, comm: Communicator, key: tuple, op: ReduceOp) -> tuple:
+    """The JVP of an iallreduce with prod, min or max.
+
+    Its tangent needs the result (product of the others, which ranks attain
+    the extremum), so the reduction and its tangent are computed here, by
+    the blocking allreduce and its JVP rule; the wait then hands them on.
+    Both are replicated, so the requests carry them exactly: y as the max
+    over ranks of identical values (bitwise y), ẏ as the sum of ẏ / P (a
+    linear map, so the tangent transposes). Under differentiation this
+    message does not overlap with the work between start and wait.
+    """
+    from .allreduce import _allreduce_jvp as allreduce_jvp
+
+    if op.is_bitwise_or_logical or not jnp.issubdtype(x.dtype, jnp.inexact):
+        marker = _bind_start("iallreduce", x, comm=comm, key=key, op=op)  # integer results: no tangent
+        return marker, ad.Zero.from_primal_value(marker)
+    y, y_dot = allreduce_jvp((x,), (t,), comm=comm, op=op)
+    marker = _bind_start("iallreduce", y, comm=comm, key=key, op=ReduceOp.MAX)
+    share = y_dot / jnp.asarray(comm.size, y_dot.dtype)
+    marker_t = _bind_start("iallreduce", share, comm=comm, key=_tangent_key(key), op=ReduceOp.SUM)
+    return marker, marker_t
 
 
 def _start_transpose(start: str):
@@ -388,9 +415,12 @@ def iallreduce(x: Any, op: Any = "sum", *, comm: Any = None) -> Request:
       A :class:`Request`; ``wait(request)`` is ``allreduce(x, op)``: the
       same shapes, identical on every rank.
 
-    AD: for op="sum", forward and reverse mode (the adjoint is an
+    AD: forward and reverse mode. For op="sum" the adjoint is an
     iallreduce of the cotangent, started where the wait is transposed and
-    waited for where the start is). Other ops are not differentiable.
+    waited for where the start is. For "prod", "min" and "max" the tangent
+    needs the result: a differentiated start computes the reduction and its
+    tangent at once (allreduce's rules) and the wait hands them on, so that
+    message does not overlap. Integer ops have no derivative.
     vmap: one message for the batch. Every rank must start and wait in the
     same order as its peers (as for every collective).
 

@@ -183,13 +183,16 @@ def _add(a, b):
 
 # ---------------------------------------------------------------------------
 def _scan_jvp(primals, tangents, *, comm: Communicator, op: ReduceOp, exclusive: bool):
+    # The rule returns what the primitive returns (rank 0's exscan: the
+    # handler's zeros); the public wrapper adds the identity to both the
+    # plain and the differentiated call, once.
     (x,), (t,) = primals, tangents
-    y = _scan_value(x, comm, op, exclusive)
+    y = scan_p.bind(x, comm=comm, op=op, exclusive=exclusive)
     if op.is_bitwise_or_logical:  # integer and bool results: nothing to differentiate
         return y, ad.Zero.from_primal_value(y)
     t = _core.instantiate(t)
     if op == ReduceOp.SUM:
-        return y, _scan_value(t, comm, op, exclusive)
+        return y, scan_p.bind(t, comm=comm, op=op, exclusive=exclusive)
     if op == ReduceOp.PROD:
         ident = (identity_of(op, x.dtype), np.zeros((), t.dtype))
         _, dy = _prefix((x, t), _combine_dual_product, ident, comm, exclusive=exclusive)

@@ -57,7 +57,8 @@ def minres(
     Args:
       A, b, x0, layout, comm, maxiter, history, monitor: as for
         :func:`distlinalg.solvers.cg`.
-      shift: σ in (A − σI) x = b (a static or traced scalar; not differentiated).
+      shift: σ in (A − σI) x = b (a static or traced scalar, replicated;
+        differentiated as part of the operator).
       rtol, atol: stop when the recurrence residual φ̄ ≤ max(rtol ‖b‖, atol),
         norms in the preconditioner's metric (‖r‖_M = √⟨r, M r⟩; the 2-norm
         without M). ``tol`` is an alias of ``rtol``.
@@ -76,8 +77,8 @@ def minres(
       tolerance.
 
     AD: ``lax.custom_linear_solve`` with the same operator (symmetric), so
-    gradients cost one more MINRES solve; derivatives with respect to the
-    shift are not propagated (it is treated as a constant).
+    gradients cost one more MINRES solve. The shift is part of the operator:
+    forward and reverse mode differentiate it too (dx/dσ = (A − σI)⁻¹ x).
 
     Example:
       A symmetric indefinite system, where cg would stop:
@@ -101,7 +102,9 @@ def minres(
     p = _arguments.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
     # A shift known to be 0 adds no pass over v to every matvec.
     unshifted = isinstance(shift, (int, float)) and shift == 0
-    shift = jax.lax.stop_gradient(jnp.asarray(shift))
+    # Not stopped: σ is a diagonal term of the operator, so custom_linear_solve
+    # differentiates it with the matvec (dx/dσ = (A − σI)⁻¹ x).
+    shift = jnp.asarray(shift)
 
     def shifted(v):
         if unshifted:
