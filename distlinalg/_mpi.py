@@ -154,6 +154,7 @@ def configure(
     check_signatures: bool | None = None,
     max_count: int | None = None,
     timeout: float | None = None,
+    stall: float | None = None,
 ) -> None:
     """Switch the native handlers' diagnostics at run time.
 
@@ -182,6 +183,11 @@ def configure(
         in that operation and which are not, and ends the job (MPI_Abort,
         status 124). ``0`` turns it off (the default; None leaves it as it
         is). Default from ``DISTLINALG_TIMEOUT``. Set the same value on every rank.
+      stall: stall report, in seconds: a distlinalg MPI call in progress
+        longer than that prints, once, a report beginning ``distlinalg:
+        stalled`` with the call, this rank's stack and what every other rank
+        is doing; the job goes on waiting. ``0`` turns it off; None leaves it
+        as it is. Default from ``DISTLINALG_STALL`` (unset: 30).
 
     Example:
       >>> import jax.numpy as jnp
@@ -193,10 +199,12 @@ def configure(
     """
     if max_count is not None:
         _check_max_count(max_count, "max_count")
-    if timeout is not None:
+    if timeout is not None or stall is not None:
         from . import _safety  # here, not at the top: _safety imports this module
 
-        _safety.parse_timeout(timeout)  # a bad value changes nothing
+        for name, value in (("timeout", timeout), ("stall", stall)):
+            if value is not None:
+                _safety.parse_timeout(value, name)  # a bad value changes nothing
     current = _native.settings()
     mode = current["check_mode"]
     if check is not None:
@@ -211,6 +219,8 @@ def configure(
     )
     if timeout is not None:
         _safety.set_timeout(timeout)
+    if stall is not None:
+        _safety.set_stall(stall)
 
 
 def _check_max_count(value: Any, name: str) -> int:

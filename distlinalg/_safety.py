@@ -9,6 +9,14 @@ imported) sets up three remedies:
   the world has more than one rank): ``sys.excepthook`` prints the traceback
   with the rank on every line, then ``MPI_Abort`` ends the job (exit status 1,
   130 for KeyboardInterrupt), as ``python -m mpi4py script.py`` does.
+* **Stall report** (``DISTLINALG_STALL=seconds``, default 30, ``0`` off, or
+  ``distlinalg.comm.configure(stall=...)``): a distlinalg MPI call in
+  progress longer than that prints, once per call, a report whose first line
+  begins with ``distlinalg: stalled``: the call and its arguments, this
+  rank's Python stack, and what every other rank is doing (each prints its
+  own state and stack too). The job goes on waiting (a slow partner is not
+  an error); the watchdog below ends it. A deadlock of the program's own
+  (both ranks receive first) is named within the stall period.
 * **Watchdog** (``DISTLINALG_TIMEOUT=seconds`` or
   ``distlinalg.comm.configure(timeout=...)``, off by default): a distlinalg
   MPI call in progress longer than that makes every rank print its current
@@ -58,12 +66,15 @@ from ._env import switch
 ABORT_ENV = "DISTLINALG_ABORT_ON_ERROR"
 TIMEOUT_ENV = "DISTLINALG_TIMEOUT"
 SIGNALS_ENV = "DISTLINALG_SIGNALS"
+STALL_ENV = "DISTLINALG_STALL"
+DEFAULT_STALL_S = 30.0
 
 EXIT_ERROR = 1
 EXIT_TIMEOUT = 124  # as coreutils' timeout(1)
 EXIT_INTERRUPT = 128 + signal.SIGINT
 
 POLL_S = 0.2  # watchdog poll period (shorter for timeouts under a second)
+STALL_POLL_S = 1.0  # poll period when only the stall report is on (it reports to the second)
 SIGINT_GRACE_S = 1.0  # time the main thread gets to raise KeyboardInterrupt itself
 ABORT_DELAY_S = 0.25  # between the last report and MPI_Abort
 REPLY_GRACE_S = 2.0  # time the reporting rank waits for the other ranks' answers
@@ -235,6 +246,9 @@ class _Monitor:
         self.closed = False
         self.pid = os.getpid()
         self.timeout: float | None = None
+        self.stall: float | None = None
+        self.stalls_reported: set[tuple] = set()  # calls this rank reported as stalled
+        self.stalls_answered: set[tuple] = set()  # other ranks' stalled calls it printed its state for
         self.lock = threading.Lock()
         self.stopping = False  # atexit ran: no more MPI from the thread
         self.mpi_lock = threading.Lock()  # held by whoever uses self.comm
@@ -264,11 +278,19 @@ class _Monitor:
         return True
 
     def set_timeout(self, seconds: float | None) -> None:
+        self._set(timeout=seconds)
+
+    def set_stall(self, seconds: float | None) -> None:
+        self._set(stall=seconds)
+
+    def _set(self, **settings: float | None) -> None:
         if os.getpid() != self.pid:
             return  # a forked child: no monitor thread, no MPI
         with self.lock:
-            self.timeout = seconds
-        if self.thread is None and (seconds or self.wakeup_fd_set):
+            for name, value in settings.items():
+                setattr(self, name, value)
+            active = self.timeout or self.stall
+        if self.thread is None and (active or self.wakeup_fd_set):
             self.thread = threading.Thread(target=self._run, name="distlinalg-monitor", daemon=True)
             self.thread.start()
         self._wake()
@@ -318,20 +340,22 @@ class _Monitor:
             # main one, whose blocking system calls it then interrupts.
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         while True:
-            timeout = self._active_timeout()
+            timeout, stall = self._active_settings()
             period = None  # idle: sleep until a signal or a settings change
             if timeout or self.sigint_at is not None:
                 period = min(POLL_S, max(0.02, (timeout or POLL_S) / 4))
+            elif stall:
+                period = min(STALL_POLL_S, max(0.02, stall / 4))
             ready, _, _ = select.select([self.wake_r], [], [], period)
             if ready:
                 self._read_wake_bytes()
             if self.sigint_at is not None:
                 self._check_interrupt()
-            self._watch(self._active_timeout())  # the settings may have changed while asleep
+            self._watch(*self._active_settings())  # the settings may have changed while asleep
 
-    def _active_timeout(self) -> float | None:
+    def _active_settings(self) -> tuple[float | None, float | None]:
         with self.lock:
-            return None if self.stopping else self.timeout
+            return (None, None) if self.stopping else (self.timeout, self.stall)
 
     def _read_wake_bytes(self) -> None:
         try:
@@ -366,20 +390,20 @@ class _Monitor:
         ))
         _abort(EXIT_INTERRUPT, mpi=self.size > 1)
 
-    def _watch(self, timeout: float | None) -> None:
-        if not timeout and self.request is None:
+    def _watch(self, timeout: float | None, stall: float | None = None) -> None:
+        if not timeout and not stall and self.request is None:
             return  # the idle case: nothing to do, no lock taken
         with self.mpi_lock:
             with self.lock:
                 stopping = self.stopping
             if stopping:
                 return  # shutdown() cleans up
-            if not timeout:
+            if not timeout and not stall:
                 self._cancel_request()
                 return
-            self._watch_locked(timeout)
+            self._watch_locked(timeout, stall)
 
-    def _watch_locked(self, timeout: float) -> None:
+    def _watch_locked(self, timeout: float | None, stall: float | None = None) -> None:
         if self.multiple and self.size > 1:
             if self.request is None:
                 self.request = self.comm.Irecv(self.request_buf, source=MPI.ANY_SOURCE, tag=_TAG_REQUEST)
@@ -390,9 +414,15 @@ class _Monitor:
                        "ending it from here.\n")
                 _abort(EXIT_TIMEOUT)
             return  # another rank is reporting: do not start a second report
-        stuck = [c for c in _native_calls() if float(c.get("seconds", 0.0)) > timeout]
+        calls = _native_calls()
+        stuck = [c for c in calls if timeout and float(c.get("seconds", 0.0)) > timeout]
         if stuck:
             self._report(max(stuck, key=lambda c: c["seconds"]), timeout)
+            return
+        stalled = [c for c in calls if stall and float(c.get("seconds", 0.0)) > stall
+                   and _call_key(c) not in self.stalls_reported]
+        if stalled:
+            self._report_stall(max(stalled, key=lambda c: c["seconds"]), stall)
 
     def _cancel_request(self) -> None:
         if self.request is None:
@@ -413,6 +443,7 @@ class _Monitor:
         return {
             "rank": self.rank,
             "ops": [c.get("op") for c in calls],
+            "peers": [int(c.get("root", -1)) for c in calls],
             "calls": [describe_call(c) for c in calls],  # described here: comm names are local
             "started": _calls_started(),
             "main": where,
@@ -422,6 +453,10 @@ class _Monitor:
         if self.printed_local:
             return
         self.printed_local = True
+        self._print_state(header)
+
+    def _print_state(self, header: str) -> None:
+        """`header`, this rank's calls in progress and its Python stacks, on stderr."""
         calls = _native_calls()
         lines = [header]
         lines += [f"  in {describe_call(c)}" for c in calls] or ["  not in a distlinalg MPI call"]
@@ -441,6 +476,19 @@ class _Monitor:
                 asker = json.loads(bytes(self.request_buf[: status.Get_count(MPI.BYTE)]))
             except ValueError:
                 asker = {}
+            if asker.get("kind") == "stall":
+                # Another rank's stall report: print this rank's state once per
+                # stalled call, and do not end anything.
+                key = (source, asker.get("call"))
+                own_stall = any(_call_key(c) in self.stalls_reported for c in _native_calls())
+                if key not in self.stalls_answered and not own_stall:  # (its own report has its state)
+                    self.stalls_answered.add(key)
+                    self._print_state(
+                        f"distlinalg: stalled: rank {source} has been blocked for {asker.get('seconds', '?')} s "
+                        f"in {asker.get('call', 'a call')}; state of rank {self.rank}:")
+                self.sends.append(self.comm.Isend(self._encode(self._state()), dest=source, tag=_TAG_REPLY))
+                self.request = self.comm.Irecv(self.request_buf, source=MPI.ANY_SOURCE, tag=_TAG_REQUEST)
+                continue
             if not reporting and self.responded_at is None:
                 self.responded_at = time.monotonic()
             self._print_local(
@@ -476,8 +524,24 @@ class _Monitor:
         _write(self._table(op, states, asked=self.multiple))
         _abort(EXIT_TIMEOUT)
 
-    def _gather_states(self, states: dict[int, dict[str, Any] | None], call: dict[str, Any], timeout: float) -> bool:
-        ask = self._encode({"call": describe_call(call), "timeout": timeout})
+    def _report_stall(self, call: dict[str, Any], stall: float) -> None:
+        """A call of this rank has been blocked longer than the stall period:
+        say so once, with every rank's state, and go on waiting."""
+        self.stalls_reported.add(_call_key(call))
+        op = str(call.get("op"))
+        seconds = float(call["seconds"])
+        self._print_state(
+            f"distlinalg: stalled: {op} on rank {self.rank} of {self.size} has been blocked for {seconds:.1f} s "
+            f"({STALL_ENV}={stall:g}; the job goes on waiting, {TIMEOUT_ENV} ends it); state of rank {self.rank}:"
+        )
+        states: dict[int, dict[str, Any] | None] = {self.rank: self._state()}
+        if self.multiple and self.size > 1:
+            self._gather_states(states, call, stall, kind="stall", seconds=round(seconds, 1))
+        _write(self._table(op, states, asked=self.multiple, stalled=True))
+
+    def _gather_states(self, states: dict[int, dict[str, Any] | None], call: dict[str, Any], timeout: float,
+                       *, kind: str = "timeout", seconds: float | None = None) -> bool:
+        ask = self._encode({"call": describe_call(call), "timeout": timeout, "kind": kind, "seconds": seconds})
         buffers = {r: bytearray(_MAX_MESSAGE) for r in range(self.size) if r != self.rank}
         replies = {r: self.comm.Irecv(buf, source=r, tag=_TAG_REPLY) for r, buf in buffers.items()}
         self.sends += [self.comm.Isend(ask, dest=r, tag=_TAG_REQUEST) for r in buffers]
@@ -491,16 +555,19 @@ class _Monitor:
                         states[r] = json.loads(bytes(buffers[r][: status.Get_count(MPI.BYTE)]))
                     except ValueError:
                         states[r] = None
-            if self._serve_requests(reporting=True):
+            if self._serve_requests(reporting=True) and kind == "timeout":
                 return True
             time.sleep(0.02)
         for r in replies:
             states[r] = None
         return False
 
-    def _table(self, op: str, states: dict[int, dict[str, Any] | None], *, asked: bool) -> str:
+    def _table(self, op: str, states: dict[int, dict[str, Any] | None], *, asked: bool, stalled: bool = False) -> str:
         entered, missing = [], []
-        lines = [f"distlinalg watchdog: which ranks are in {op} (rank {self.rank} timed out in it):"]
+        if stalled:
+            lines = [f"distlinalg: stalled: which ranks are in {op} (rank {self.rank} is blocked in it):"]
+        else:
+            lines = [f"distlinalg watchdog: which ranks are in {op} (rank {self.rank} timed out in it):"]
         if not asked and self.size > 1:
             lines.append("  (MPI runs at thread level SERIALIZED, so the watchdog cannot ask the other "
                          "ranks while this one is inside MPI; their own watchdogs report their calls)")
@@ -525,8 +592,41 @@ class _Monitor:
             else:
                 missing.append(f"{r} ({ops[0] if ops else 'no call'})")
         lines.append(f"  entered {op}: {', '.join(entered) or 'none'}; not in it: {', '.join(missing) or 'none'}")
-        lines.append(f"Ending the job (MPI_Abort({EXIT_TIMEOUT})).")
+        cycle = _receive_cycle(states)
+        if cycle:
+            chain = ", ".join(f"rank {r} waits for {cycle[(i + 1) % len(cycle)]}" for i, r in enumerate(cycle))
+            lines.append(f"  a cycle of receives, a deadlock of the program's own: {chain}")
+        if stalled:
+            lines.append(f"Still waiting ({TIMEOUT_ENV} ends the job; {STALL_ENV}=0 turns this report off).")
+        else:
+            lines.append(f"Ending the job (MPI_Abort({EXIT_TIMEOUT})).")
         return _prefix("\n".join(lines), f"[rank {self.rank}] ")
+
+
+def _receive_cycle(states: dict[int, dict[str, Any] | None]) -> list[int]:
+    """Ranks that each wait in a receive from the next, around a cycle (the
+    program's own deadlock), or [] (from the ranks' reported calls)."""
+    waits_for: dict[int, int] = {}
+    for rank, state in states.items():
+        if not state:
+            continue
+        for op, peer in zip(state.get("ops") or [], state.get("peers") or []):
+            if op == "recv" and peer >= 0:
+                waits_for[rank] = peer
+                break
+    for start in sorted(waits_for):
+        path, rank = [], start
+        while rank in waits_for and rank not in path:
+            path.append(rank)
+            rank = waits_for[rank]
+        if rank == start:
+            return path
+    return []
+
+
+def _call_key(call: dict[str, Any]) -> tuple:
+    """One call in progress (its sequence number is this rank's count of calls)."""
+    return (call.get("seq"), call.get("op"), call.get("comm"))
 
 
 _LIBRARY_DIRS = tuple(
@@ -567,6 +667,8 @@ def install() -> None:
         return
     abort = switch(ABORT_ENV, True)
     timeout = parse_timeout(os.environ.get(TIMEOUT_ENV), TIMEOUT_ENV)
+    stall_text = os.environ.get(STALL_ENV, "")
+    stall = parse_timeout(stall_text, STALL_ENV) if stall_text.strip() else DEFAULT_STALL_S
     signals = switch(SIGNALS_ENV, True)
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
@@ -578,6 +680,8 @@ def install() -> None:
     atexit.register(_monitor.shutdown)
     os.register_at_fork(after_in_child=_monitor.after_fork_in_child)
     set_timeout(timeout)
+    if hasattr(_mpi._native, "current_calls"):  # (an old build cannot see calls in progress)
+        _monitor.set_stall(stall)
 
 
 def set_timeout(seconds: Any) -> None:
@@ -598,6 +702,21 @@ def set_timeout(seconds: Any) -> None:
     if _monitor is None:
         raise RuntimeError("distlinalg._safety.install() has not run")
     _monitor.set_timeout(value)
+
+
+def set_stall(seconds: Any) -> None:
+    """Set the stall-report period of this process (None or 0: off); see `parse_timeout`."""
+    value = parse_timeout(seconds, "stall")
+    if _monitor is None:
+        raise RuntimeError("distlinalg._safety.install() has not run")
+    if value and not hasattr(_mpi._native, "current_calls"):
+        value = None
+    _monitor.set_stall(value)
+
+
+def get_stall() -> float | None:
+    """The stall-report period in seconds, None when off."""
+    return None if _monitor is None else _monitor.stall
 
 
 def get_timeout() -> float | None:

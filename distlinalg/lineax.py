@@ -353,7 +353,8 @@ def result_of(reason: Any) -> lx.RESULTS:
     ``max_steps_reached``; ``DIVERGED_NANORINF`` and the indefinite-matrix
     and indefinite-preconditioner reasons → ``singular`` (lineax turns it
     into ``nonfinite_input`` when b is not finite); ``DIVERGED_BREAKDOWN``,
-    ``DIVERGED_INCONSISTENT_RANKS`` and anything else → ``breakdown``. The
+    ``DIVERGED_INCONSISTENT_RANKS``, ``DIVERGED_ACCURACY_LOST`` and anything
+    else → ``breakdown``. The
     exact reason is in ``solution.stats["reason"]``. Traceable.
 
     Example:
@@ -387,6 +388,7 @@ class _KrylovSolver(lx.AbstractLinearSolver):
     atol: float
     max_steps: int | None = None
     layout: str = eqx.field(static=True, default="replicated")
+    verify_residual: bool = eqx.field(static=True, default=True)
 
     def _solve(self, A: LinearOperator, b: Any, x0: Any, M: Any) -> Any:
         raise NotImplementedError
@@ -449,6 +451,8 @@ class CG(_KrylovSolver):
         a :class:`DistributedOperator` brings its own.
       method: ``"standard"``, ``"single_reduction"`` or ``"pipelined"`` (see
         :func:`distlinalg.solvers.cg`).
+      verify_residual: check a converged claim against the true residual
+        (default; see :func:`distlinalg.solvers.cg`).
 
     Shapes: b and the solution are this rank's pieces (layout). The
     solution's ``stats`` hold ``num_steps``, ``residual_norm`` and
@@ -480,7 +484,7 @@ class CG(_KrylovSolver):
 
     def _solve(self, A: LinearOperator, b: Any, x0: Any, M: Any) -> Any:
         return _solvers.cg(A, b, x0, rtol=self.rtol, atol=self.atol, maxiter=self.max_steps, M=M,
-                           method=self.method)
+                           method=self.method, verify_residual=self.verify_residual)
 
 
 class MINRES(_KrylovSolver):
@@ -514,7 +518,7 @@ class MINRES(_KrylovSolver):
 
     def _solve(self, A: LinearOperator, b: Any, x0: Any, M: Any) -> Any:
         return _solvers.minres(A, b, x0, shift=self.shift, rtol=self.rtol, atol=self.atol,
-                               maxiter=self.max_steps, M=M)
+                               maxiter=self.max_steps, M=M, verify_residual=self.verify_residual)
 
 
 class GMRES(_KrylovSolver):
@@ -539,7 +543,7 @@ class GMRES(_KrylovSolver):
         import distlinalg
 
         return distlinalg.gmres(A, b, x0, rtol=self.rtol, atol=self.atol, restart=self.restart,
-                                maxiter=self.max_steps, M=M)
+                                maxiter=self.max_steps, M=M, verify_residual=self.verify_residual)
 
 
 class BiCGStab(_KrylovSolver):
@@ -560,7 +564,8 @@ class BiCGStab(_KrylovSolver):
     def _solve(self, A: LinearOperator, b: Any, x0: Any, M: Any) -> Any:
         import distlinalg
 
-        return distlinalg.bicgstab(A, b, x0, rtol=self.rtol, atol=self.atol, maxiter=self.max_steps, M=M)
+        return distlinalg.bicgstab(A, b, x0, rtol=self.rtol, atol=self.atol, maxiter=self.max_steps, M=M,
+                                   verify_residual=self.verify_residual)
 
 
 class NormalCG(lx.AbstractLinearSolver):

@@ -66,7 +66,9 @@ def test_bad_timeout_values_are_errors(value):
 
 def test_configure_timeout_switches_the_watchdog(comm):
     monitor = _safety._monitor
-    assert _safety.get_timeout() is None and monitor.request is None  # off by default: nothing posted
+    stall = _safety.get_stall()
+    assert _safety.get_timeout() is None  # off by default
+    assert stall == _safety.parse_timeout(os.environ.get("DISTLINALG_STALL") or "30")  # on by default
     with pytest.raises(ValueError, match="timeout='never'"):
         configure(timeout="never")
     assert _safety.get_timeout() is None
@@ -86,11 +88,18 @@ def test_configure_timeout_switches_the_watchdog(comm):
     finally:
         configure(timeout=0)
     assert _safety.get_timeout() is None
-    deadline = time.monotonic() + 5
-    while monitor.request is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert monitor.request is None, "switching the watchdog off cancels its receive"
-    comm.Barrier()  # no rank's watchdog is on while the next test runs
+    configure(stall=0)  # the stall report off too: nothing left to serve
+    try:
+        deadline = time.monotonic() + 5
+        while monitor.request is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert monitor.request is None, "switching the watchdog and the stall report off cancels its receive"
+        with pytest.raises(ValueError, match="stall"):
+            configure(stall=-1)
+    finally:
+        configure(stall=stall or 0)
+    assert _safety.get_stall() == stall
+    comm.Barrier()  # every rank is back to its settings before the next test runs
 
 
 def test_describe_call_names_op_arguments_and_communicator(comm):
@@ -271,6 +280,41 @@ def test_watchdog_reports_and_ends_a_hang(job, mode, ranks, stuck, function, ent
     assert f"{tag}distlinalg watchdog: which ranks are in {mode}" in out, out
     assert f"entered {mode}: {entered}; not in it: {absent}" in out, out
     assert f"MPI_Abort({_safety.EXIT_TIMEOUT})" in out
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize(("mode", "ranks"), [("deadlock", 2), ("deadlock-jit", 3)])
+def test_stall_is_reported_on_every_rank_and_the_job_goes_on(job, mode, ranks):
+    """Both ranks receive first (the program's own deadlock), default check
+    mode: within the stall period every rank prints a report beginning
+    "distlinalg: stalled" (the call, its arguments, what each rank is doing),
+    the job keeps waiting, and the watchdog ends it later (issue 43)."""
+    j = job(mode, ranks, DISTLINALG_STALL="2", DISTLINALG_TIMEOUT="9")
+    ready = j.wait_ready()
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline and j.output.count("distlinalg: stalled") < ranks:
+        time.sleep(0.2)
+    out = j.output
+    assert j.proc.poll() is None, out  # the stall report ends nothing
+    for r in range(ranks):
+        assert re.search(rf"\[rank {r}\] distlinalg: stalled", out), (r, out)
+    for r in (0, 1):  # the two blocked ranks: their own report, with the call
+        assert f"[rank {r}] distlinalg: stalled: recv on rank {r} of {ranks} has been blocked" in out, out
+        assert f"[rank {r}]   in recv(dtype=float32, count=3, peer={1 - r}" in out, out
+    assert "which ranks are in recv" in out and "Still waiting" in out, out
+    assert "a cycle of receives, a deadlock of the program's own: rank 0 waits for 1, rank 1 waits for 0" in out, out
+    assert out.count(f"distlinalg: stalled: recv on rank 0 of {ranks}") == 1, out  # once per call
+    code = j.wait(30)
+    assert code == _safety.EXIT_TIMEOUT, out
+    assert time.monotonic() - ready > 8
+
+
+@pytest.mark.serial
+def test_stall_report_off(job):
+    j = job("deadlock", 2, DISTLINALG_STALL="0", DISTLINALG_TIMEOUT="4")
+    j.wait_ready()
+    code = j.wait(30)
+    assert code == _safety.EXIT_TIMEOUT and "distlinalg: stalled" not in j.output, j.output
 
 
 @pytest.mark.serial

@@ -549,6 +549,7 @@ def test_cg_updates_large_carried_vectors_in_place(comm, rank, size):
         np.testing.assert_allclose(x, want[mine], rtol=0, atol=1e-7 * np.abs(want).max(), err_msg=method)
         text = solve.as_text()
         bodies = [c for c in text.split("\n\n") if c.split(" ", 1)[0] in re.findall(r"body=(%[^,\s]+)", text)]
+        bodies = [c for c in bodies if " while(" not in c]  # the iteration's loop (not the one around it)
         assert bodies
         vector = rf"f64\[({(stop - start) * n}|{stop - start},{n})\]"
         copies = [line for c in bodies for line in c.splitlines() if re.search(rf"= {vector}\S* copy\(", line)]
@@ -598,6 +599,7 @@ def test_minres_loop_copies_no_vector(comm):
         np.testing.assert_allclose(x, want[mine], rtol=0, atol=1e-7 * np.abs(want).max())
         text = solve.as_text()
         bodies = [c for c in text.split("\n\n") if c.split(" ", 1)[0] in re.findall(r"body=(%[^,\s]+)", text)]
+        bodies = [c for c in bodies if " while(" not in c]  # the iteration's loop (not the one around it)
         assert bodies
         vector = rf"f64\[({(stop - start) * n}|{stop - start},{n})\]"
         copies = [line for c in bodies for line in c.splitlines() if re.search(rf"= {vector}\S* copy\(", line)]

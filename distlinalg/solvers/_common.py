@@ -58,6 +58,11 @@ class Reason(enum.IntEnum):
     operator is identical on every rank (an operator that differs only by a
     scale factor is caught only through the curvature).
 
+    ``DIVERGED_ACCURACY_LOST`` (-21, distlinalg's own; Belos's "loss of
+    accuracy"): the method's recurrence met the tolerance, but the true
+    residual ‖b − A x‖ did not, also after restarting from it (see
+    ``verify_residual`` of the solvers, docs/solvers.md).
+
     Example:
       >>> import jax.numpy as jnp
       >>> import distlinalg as dl
@@ -78,6 +83,7 @@ class Reason(enum.IntEnum):
     DIVERGED_NANORINF = -9
     DIVERGED_INDEFINITE_MAT = -10
     DIVERGED_INCONSISTENT_RANKS = -20
+    DIVERGED_ACCURACY_LOST = -21  # the recurrence converged, the true residual did not (restarts did not help)
 
 
 class SolverInfo(NamedTuple):
@@ -86,7 +92,9 @@ class SolverInfo(NamedTuple):
     Attributes:
       iterations: iterations performed (int32 scalar).
       residual_norm: final residual norm ||b - A x|| (unpreconditioned, 2-norm of
-        the global vector) as given by the method's recurrence, not recomputed.
+        the global vector): the true norm, computed once, when the iteration
+        claimed convergence (``verify_residual``, the default), else as given
+        by the method's recurrence.
       converged: whether a convergence criterion was met (bool scalar).
       reason: a :class:`Reason` code (int32 scalar); ``Reason(int(info.reason))``.
       history: residual norms of iterations 0..history_size-1 (NaN past the

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _compat
+from ..comm.allreduce import allreduce
 from ..comm.fused import tree_allreduce
 from . import _arguments
 from . import _common as C
@@ -37,6 +38,9 @@ def krylov_solve(
     *,
     history: int,
     hermitian: bool = True,
+    verify_residual: bool = True,
+    cycles_of: Callable[[Any], Any] | None = None,
+    local_norm_sq: Callable[[Any], Any] | None = None,
 ) -> tuple[Any, C.SolverInfo]:
     """Solve A x = b with `iterate(matvec, b, x0, rtol, atol, maxiter, start) -> (x, info)`.
 
@@ -52,6 +56,13 @@ def krylov_solve(
     replicated layout that is each rank's share of the whole-program adjoint
     (see docs/ad.md), and the matrix transpose every rank holds is its mean
     over ranks (`replicated_transpose`).
+
+    `verify_residual`: when the iteration claims convergence, check the true
+    residual ‖b − A x‖ against the tolerance (`backed_by_true_residual`).
+    `cycles_of(iterations)`: what `maxiter` counts, from the iterations done
+    (default: iterations; GMRES: restart cycles). `local_norm_sq(v)`: this
+    rank's part of the squared norm the method's stopping test uses (default
+    ⟨v, v⟩; preconditioned MINRES: ⟨v, M v⟩).
     """
     reductions = problem.reductions
     x0 = jax.lax.stop_gradient(problem.x0)
@@ -78,8 +89,13 @@ def krylov_solve(
         # scale 1 (the iteration then reports it).
         largest = reductions.max_abs(rhs)
         scale = jnp.where((largest > 0) & jnp.isfinite(largest), largest, jnp.ones_like(largest))
-        x, info = iterate(mv, scaled(1 / scale, rhs), scaled(1 / scale, x0), agreed.rtol,
-                          agreed.atol / scale, agreed.maxiter, start)
+        if verify_residual:
+            x, info = iterate_until_backed(iterate, mv, scaled(1 / scale, rhs), scaled(1 / scale, x0), agreed.rtol,
+                                           agreed.atol / scale, agreed.maxiter, start, reductions, history,
+                                           cycles_of or (lambda k: k), local_norm_sq)
+        else:
+            x, info = iterate(mv, scaled(1 / scale, rhs), scaled(1 / scale, x0), agreed.rtol,
+                              agreed.atol / scale, agreed.maxiter, start)
         info = info._replace(
             residual_norm=info.residual_norm * scale,
             history=None if info.history is None else info.history * scale,
@@ -149,6 +165,87 @@ def _cast_like(x: Any, like: Any) -> Any:
     """x in `like`'s dtypes, weak where `like` is weak (jax.scipy keeps a Python-float b weak)."""
     return jax.tree_util.tree_map(
         lambda v, ref: _compat.convert_element_type(v, ref.dtype, _compat.is_weakly_typed(ref)), x, like)
+
+
+# Restarts from the true residual after a convergence claim it did not back.
+MAX_VERIFICATION_RESTARTS = 2
+
+
+def iterate_until_backed(iterate: Callable[..., Any], mv: Callable[[Any], Any], b: Any, x0: Any, rtol: Any,
+                         atol: Any, maxiter: Any, start: Any, reductions: C.Reductions, history_size: int,
+                         cycles_of: Callable[[Any], Any],
+                         local_norm_sq: Callable[[Any], Any] | None = None) -> tuple[Any, C.SolverInfo]:
+    """`iterate`, with Belos's explicit residual test of a converged claim.
+
+    A recurrence's residual drifts from the true one in finite precision
+    (by about ε‖A‖‖x‖ per step), so on an ill-conditioned system a solver can
+    report CONVERGED while ‖b − A x‖ is orders of magnitude above the
+    tolerance. When the iteration claims convergence, one matvec gives the
+    true residual; above max(rtol‖b‖, atol) the iteration runs again from x
+    (its recurrence then starts from the true residual), within what is left
+    of `maxiter`, at most MAX_VERIFICATION_RESTARTS times. A claim still not
+    backed ends as DIVERGED_ACCURACY_LOST. `info.residual_norm` (and the
+    history's last entry) is the true norm whenever one was computed, in
+    the norm of the method's stopping test (`local_norm_sq`).
+
+    One loop around the iteration (which appears once in the program: its
+    compile time is not doubled). Every decision is made on norms identical
+    on every rank: sums over ranks (sharded), or the maximum over ranks of
+    the local values (replicated: a matvec need not be bitwise identical
+    everywhere).
+    """
+
+    def agreed_norm(v: Any) -> Any:
+        if local_norm_sq is None:
+            (vv,) = reductions.dots([(v, v)])
+        else:
+            (vv,) = reductions.totals([jnp.asarray(local_norm_sq(v))])
+        norm = jnp.sqrt(jnp.abs(jnp.real(vv)))
+        if reductions.layout == "replicated" and reductions.comm.size > 1:
+            norm = allreduce(norm, "max", comm=reductions.comm)
+        return norm
+
+    dtype = real_dtype(b)
+    tolerance = jnp.maximum(rtol * agreed_norm(b), atol).astype(dtype)
+
+    def true_norm(x: Any) -> Any:
+        return agreed_norm(jax.tree_util.tree_map(jnp.subtract, b, mv(x))).astype(dtype)
+
+    def run(state: tuple) -> tuple:
+        x, info, _, runs = state
+        first = runs == 0
+        x, more = iterate(mv, b, x, rtol, atol, maxiter - cycles_of(info.iterations),
+                          jnp.where(first, start, C.Reason.ITERATING).astype(jnp.int32))
+        history = more.history
+        if history is not None:  # a rerun's residuals follow the earlier runs'
+            k = jnp.arange(history_size)
+            rerun = jnp.take(more.history, jnp.clip(k - info.iterations, 0, history_size - 1))
+            history = jnp.where(k < info.iterations, info.history, rerun.astype(dtype))
+        merged = C.SolverInfo(info.iterations + more.iterations, more.residual_norm, more.converged,
+                              more.reason, history)
+        merged = _canonical(merged, b)
+        # The check's matvec only where the iteration claims convergence (the
+        # reason is agreed: every rank takes the same branch).
+        norm = jax.lax.cond(merged.reason > 0, true_norm, lambda x: merged.residual_norm, x)
+        return x, merged, norm, runs + 1
+
+    def unbacked(state: tuple) -> Any:
+        _, info, norm, runs = state
+        rerun = (info.reason > 0) & (norm > tolerance) & (runs <= MAX_VERIFICATION_RESTARTS) \
+            & (cycles_of(info.iterations) < maxiter)
+        return (runs == 0) | rerun
+
+    empty = C.SolverInfo(jnp.int32(0), jnp.zeros((), dtype), jnp.bool_(False), jnp.int32(start),
+                         C.new_history(history_size, dtype))
+    x, info, norm, _ = jax.lax.while_loop(unbacked, run, (x0, empty, jnp.zeros((), dtype), jnp.int32(0)))
+    claimed = info.reason > 0
+    lost = claimed & (norm > tolerance)
+    reason = jnp.where(lost, jnp.int32(C.Reason.DIVERGED_ACCURACY_LOST), info.reason).astype(jnp.int32)
+    history = info.history
+    if history is not None:  # the last entry: the checked norm
+        at_last = (jnp.arange(history_size) == info.iterations) & claimed
+        history = jnp.where(at_last, norm, history)
+    return x, info._replace(residual_norm=norm, converged=info.converged & ~lost, reason=reason, history=history)
 
 
 def _canonical(info: C.SolverInfo, rhs: Any) -> C.SolverInfo:

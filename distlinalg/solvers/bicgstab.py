@@ -56,6 +56,7 @@ def bicgstab(
     comm: Any = None,
     history: int = 0,
     monitor: bool = False,
+    verify_residual: bool = True,
 ) -> tuple[Any, SolverInfo]:
     """Solve A x = b for a general (nonsymmetric) A by BiCGStab.
 
@@ -76,7 +77,7 @@ def bicgstab(
         ranks as for cg).
       M: right preconditioner ≈ A⁻¹ (any of A's forms); the reverse-mode
         (transposed) solve uses the same M.
-      layout, comm, history, monitor: as for :func:`distlinalg.cg`.
+      layout, comm, history, monitor, verify_residual: as for :func:`distlinalg.cg`.
 
     Returns:
       ``(x, info)``: x shaped like b and a :class:`SolverInfo` identical on
@@ -102,7 +103,7 @@ def bicgstab(
     if _arguments.is_real_linear(A):
         return _arguments.solve_real_linear(
             bicgstab, A, b, x0, M, tol=tol, rtol=rtol, atol=atol, maxiter=maxiter, layout=layout, comm=comm,
-            history=history, monitor=monitor,
+            history=history, monitor=monitor, verify_residual=verify_residual,
         )
     p = _arguments.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
 
@@ -110,7 +111,8 @@ def bicgstab(
         return _bicgstab(mv, rhs, x_init, p.precond, rtol_agreed, atol_scaled, maxiter_agreed, start, p.reductions,
                          history, monitor)
 
-    return krylov_solve(iterate, p.matvec, p.b, p, history=history, hermitian=False)
+    return krylov_solve(iterate, p.matvec, p.b, p, history=history, hermitian=False,
+                        verify_residual=verify_residual)
 
 
 class BicgstabState(NamedTuple):

@@ -58,6 +58,7 @@ def cg(
     method: str = "standard",
     history: int = 0,
     monitor: bool = False,
+    verify_residual: bool = True,
 ) -> tuple[Any, SolverInfo]:
     """Solve A x = b for Hermitian positive definite A by conjugate gradients.
 
@@ -94,6 +95,11 @@ def cg(
         per iteration is blocking in every method).
       history: keep the residual norms of the first `history` iterations.
       monitor: print ``k KSP Residual norm r`` on rank 0 every iteration.
+      verify_residual: when the iteration claims convergence, compute the
+        true residual ‖b − A x‖ (one matvec) and restart from x if it misses
+        the tolerance; a claim that restarts cannot back ends as
+        ``DIVERGED_ACCURACY_LOST``, and ``info.residual_norm`` is the true
+        norm (docs/solvers.md). False: the recurrence's word, no matvec.
 
     Returns:
       ``(x, info)``: x shaped like `b` (same layout), and a
@@ -151,7 +157,7 @@ def cg(
     if _arguments.is_real_linear(A):
         return _arguments.solve_real_linear(
             cg, A, b, x0, M, tol=tol, rtol=rtol, atol=atol, maxiter=maxiter, layout=layout, comm=comm,
-            method=method, history=history, monitor=monitor,
+            method=method, history=history, monitor=monitor, verify_residual=verify_residual,
         )
     p = _arguments.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
     body = {"standard": _standard, "single_reduction": _single_reduction, "pipelined": _pipelined}[method]
@@ -160,7 +166,7 @@ def cg(
         return body(mv, rhs, x_init, p.precond, rtol_agreed, atol_scaled, maxiter_agreed, start, p.reductions,
                     history, monitor)
 
-    return krylov_solve(iterate, p.matvec, p.b, p, history=history)
+    return krylov_solve(iterate, p.matvec, p.b, p, history=history, verify_residual=verify_residual)
 
 
 def _unless(plain: bool, v: Any) -> Any:

@@ -63,6 +63,7 @@ def gmres(
     comm: Any = None,
     history: int = 0,
     monitor: bool = False,
+    verify_residual: bool = True,
 ) -> tuple[Any, SolverInfo]:
     """Solve A x = b for a general (nonsymmetric) A by restarted GMRES.
 
@@ -90,7 +91,7 @@ def gmres(
         cheaper choice when steps are cheap); ``"incremental"`` stops a cycle
         as soon as the rotated residual estimate meets the inner tolerance.
         Both solve the small least-squares problem with Givens rotations.
-      layout, comm, history, monitor: as for :func:`distlinalg.cg`;
+      layout, comm, history, monitor, verify_residual: as for :func:`distlinalg.cg`;
         ``info.history[k]`` and the monitor show the left-preconditioned
         residual estimate ‖M(b − A x_k)‖ after k Arnoldi steps.
 
@@ -124,6 +125,7 @@ def gmres(
         return _arguments.solve_real_linear(
             gmres, A, b, x0, M, tol=tol, rtol=rtol, atol=atol, restart=restart, maxiter=maxiter,
             solve_method=solve_method, layout=layout, comm=comm, history=history, monitor=monitor,
+            verify_residual=verify_residual,
         )
     p = _arguments.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
     if p.reductions.layout == "replicated":
@@ -134,7 +136,9 @@ def gmres(
         return _gmres(mv, rhs, x_init, p.precond, rtol_agreed, atol_scaled, maxiter_agreed, start, p.reductions,
                       restart, incremental, history, monitor)
 
-    return krylov_solve(iterate, p.matvec, p.b, p, history=history, hermitian=False)
+    # maxiter counts restart cycles; info.iterations, Arnoldi steps.
+    return krylov_solve(iterate, p.matvec, p.b, p, history=history, hermitian=False,
+                        verify_residual=verify_residual, cycles_of=lambda k: (k + restart - 1) // restart)
 
 
 # ---------------------------------------------------------------------------

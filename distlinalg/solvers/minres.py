@@ -32,7 +32,7 @@ from ._common import Reason, Reductions, SolverInfo, finish_reason, first_reason
 from ._common import mark_inconsistent, monitor_print, new_history, record, stopping_threshold
 from ._driver import krylov_solve
 from ._eager import compiled_when_eager
-from ._vectors import axpy, scale, sub, update_and_dots, zeros_like
+from ._vectors import axpy, local_vdot, scale, sub, update_and_dots, zeros_like
 
 
 @compiled_when_eager
@@ -51,11 +51,12 @@ def minres(
     comm: Any = None,
     history: int = 0,
     monitor: bool = False,
+    verify_residual: bool = True,
 ) -> tuple[Any, SolverInfo]:
     """Solve (A − shift·I) x = b by MINRES for Hermitian, possibly indefinite A.
 
     Args:
-      A, b, x0, layout, comm, maxiter, history, monitor: as for
+      A, b, x0, layout, comm, maxiter, history, monitor, verify_residual: as for
         :func:`distlinalg.solvers.cg`.
       shift: σ in (A − σI) x = b (a static or traced scalar, replicated;
         differentiated as part of the operator).
@@ -97,7 +98,7 @@ def minres(
     if _arguments.is_real_linear(A):
         return _arguments.solve_real_linear(
             minres, A, b, x0, M, shift=shift, tol=tol, rtol=rtol, atol=atol, maxiter=maxiter, layout=layout,
-            comm=comm, history=history, monitor=monitor,
+            comm=comm, history=history, monitor=monitor, verify_residual=verify_residual,
         )
     p = _arguments.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
     # A shift known to be 0 adds no pass over v to every matvec.
@@ -116,7 +117,13 @@ def minres(
         return _minres(mv, rhs, x_init, p.precond, rtol_agreed, atol_scaled, maxiter_agreed, start, p.reductions,
                        history, monitor)
 
-    return krylov_solve(iterate, shifted, p.b, p, history=history)
+    def preconditioned_norm_sq(v):
+        # MINRES stops on ‖r‖_M; the check of its claim uses the same norm.
+        return local_vdot(v, p.precond(v))
+
+    preconditioned = p.precond is not _arguments.identity
+    return krylov_solve(iterate, shifted, p.b, p, history=history, verify_residual=verify_residual,
+                        local_norm_sq=preconditioned_norm_sq if preconditioned else None)
 
 
 class MinresState(NamedTuple):

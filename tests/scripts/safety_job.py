@@ -5,7 +5,9 @@
 MODE: raise (rank 1 raises ValueError), exit (rank 1 calls sys.exit(3)),
 recv (rank 1 receives a message nobody sends), barrier (the last rank never
 reaches the barrier), loop (a long jitted loop of allreduces, to be
-interrupted), sleep (a long time.sleep, to be interrupted), ok (a clean run).
+interrupted), sleep (a long time.sleep, to be interrupted), deadlock and
+deadlock-jit (ranks 0 and 1 both receive from each other first, eagerly or
+in a jitted program), ok (a clean run).
 Every rank prints "ready" once it has made its first collective call.
 SAFETY_THREAD_LEVEL=serialized runs MPI at that thread level.
 """
@@ -43,6 +45,21 @@ def receive_what_nobody_sends() -> None:
     time.sleep(60)  # the other ranks are alive but never send
 
 
+def receive_from_each_other_first(compiled: bool) -> None:
+    """Ranks 0 and 1 each wait for the other's message before sending theirs."""
+    if dl.rank() > 1:
+        time.sleep(60)
+        return
+    other = 1 - dl.rank()
+
+    def exchange(x):
+        got = C.recv(jnp.zeros(3), source=other, tag=9)
+        C.send(x, dest=other, tag=9)
+        return got
+
+    (jax.jit(exchange) if compiled else exchange)(jnp.ones(3)).block_until_ready()
+
+
 def barrier_without_the_last_rank() -> None:
     if dl.rank() != dl.size() - 1:
         C.barrier()
@@ -68,6 +85,8 @@ def main(mode: str) -> None:
         "sleep": lambda: time.sleep(60),
         "recv": receive_what_nobody_sends,
         "barrier": barrier_without_the_last_rank,
+        "deadlock": lambda: receive_from_each_other_first(False),
+        "deadlock-jit": lambda: receive_from_each_other_first(True),
         "loop": None,
         "ok": lambda: None,
     }[mode] or compile_allreduce_loop()
