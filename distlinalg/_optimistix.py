@@ -259,6 +259,19 @@ def _default_linear_solver() -> Any:
     return _lineax().NormalCG(rtol=1e-10, atol=0.0)
 
 
+def _set_fields(solver: Any, rtol: float, atol: float, norm: Callable | None, linear_solver: Any, verbose: Any,
+                descent: Callable[[Any], Any]) -> None:
+    """The fields of a damped solver of this module (called from its __init__):
+    the global trust region, and the descent `descent(linear_solver)`."""
+    linear_solver = linear_solver or _default_linear_solver()
+    _check_normal_cg(linear_solver, type(solver).__name__)
+    solver.rtol, solver.atol = rtol, atol
+    solver.norm = norm or _lineax().max_norm
+    solver.descent = descent(linear_solver)
+    solver.search = TrustRegion()
+    solver.verbose = _verbose(verbose)
+
+
 class GaussNewton(optx.GaussNewton):
     """``optimistix.GaussNewton`` over every rank's residuals: defaults
     ``norm=distlinalg.lineax.max_norm`` and ``linear_solver=NormalCG``.
@@ -318,13 +331,8 @@ class LevenbergMarquardt(optx.LevenbergMarquardt):
 
     def __init__(self, rtol: float, atol: float, norm: Callable = None, linear_solver: Any = None,
                  verbose: Any = False):
-        linear_solver = linear_solver or _default_linear_solver()
-        _check_normal_cg(linear_solver, "LevenbergMarquardt")
-        self.rtol, self.atol = rtol, atol
-        self.norm = norm or _lineax().max_norm
-        self.descent = DampedNewtonDescent(linear_solver=linear_solver)
-        self.search = TrustRegion()
-        self.verbose = _verbose(verbose)
+        _set_fields(self, rtol, atol, norm, linear_solver, verbose,
+                    lambda solver: DampedNewtonDescent(linear_solver=solver))
 
 
 class IndirectLevenbergMarquardt(optx.IndirectLevenbergMarquardt):
@@ -348,15 +356,10 @@ class IndirectLevenbergMarquardt(optx.IndirectLevenbergMarquardt):
 
     def __init__(self, rtol: float, atol: float, norm: Callable = None, lambda_0: float = 1.0,
                  linear_solver: Any = None, root_finder: Any = None, verbose: Any = False):
-        linear_solver = linear_solver or _default_linear_solver()
-        _check_normal_cg(linear_solver, "IndirectLevenbergMarquardt")
-        self.rtol, self.atol = rtol, atol
-        self.norm = norm or _lineax().max_norm
-        self.descent = IndirectDampedNewtonDescent(
-            lambda_0=lambda_0, linear_solver=linear_solver,
-            root_finder=root_finder or optx.Newton(rtol=1e-2, atol=1e-2))
-        self.search = TrustRegion()
-        self.verbose = _verbose(verbose)
+        _set_fields(self, rtol, atol, norm, linear_solver, verbose,
+                    lambda solver: IndirectDampedNewtonDescent(
+                        lambda_0=lambda_0, linear_solver=solver,
+                        root_finder=root_finder or optx.Newton(rtol=1e-2, atol=1e-2)))
 
 
 class Dogleg(optx.Dogleg):
@@ -377,13 +380,8 @@ class Dogleg(optx.Dogleg):
 
     def __init__(self, rtol: float, atol: float, norm: Callable = None, linear_solver: Any = None,
                  verbose: Any = False):
-        linear_solver = linear_solver or _default_linear_solver()
-        _check_normal_cg(linear_solver, "Dogleg")
-        self.rtol, self.atol = rtol, atol
-        self.norm = norm or _lineax().max_norm
-        self.descent = DoglegDescent(linear_solver=linear_solver)
-        self.search = TrustRegion()
-        self.verbose = _verbose(verbose)
+        _set_fields(self, rtol, atol, norm, linear_solver, verbose,
+                    lambda solver: DoglegDescent(linear_solver=solver))
 
 
 _DISTRIBUTED_SOLVERS = (GaussNewton, LevenbergMarquardt, IndirectLevenbergMarquardt, Dogleg)
