@@ -38,7 +38,6 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
