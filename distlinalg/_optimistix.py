@@ -34,7 +34,6 @@ classes here, so the paths users write work unchanged.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -117,6 +116,21 @@ def damped_step(lm_param: Any, f_info: Any, linear_solver: Any) -> tuple[Any, An
 
     AD: through ``lax.custom_linear_solve`` (distlinalg's CG), in λ and in
     the Jacobian's arrays, forward and reverse.
+
+    Example:
+      Rows of J and r on every rank (here the same two rows on each of P ranks,
+      so JᵀJ = P·I and Jᵀr = P·(1, 2)):
+
+      >>> import jax.numpy as jnp
+      >>> import lineax as lx
+      >>> import optimistix as optx
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg import comm
+      >>> info = optx.FunctionInfo.ResidualJac(jnp.array([1.0, 2.0]), lx.MatrixLinearOperator(jnp.eye(2)))
+      >>> delta, result = dlx.damped_step(1.0, info, dlx.NormalCG(rtol=1e-12, atol=0.0))
+      >>> P = comm.size()
+      >>> bool(jnp.allclose(delta, P / (P + 1.0) * jnp.array([1.0, 2.0])))   # (P I + 1·I)⁻¹ P (1, 2)
+      True
     """
     jac = f_info.jac
     normal = LinearOperator(_normal_matvec, data=(jac, lm_param), input_structure=jac.in_structure(),
@@ -180,7 +194,17 @@ class TrustRegion(optx.ClassicalTrustRegion):
 class DampedNewtonDescent(optx.DampedNewtonDescent):
     """Levenberg–Marquardt's damped step over every rank's residuals:
     (Σ_k J_kᵀ J_k + λ I) δ = Σ_k J_kᵀ r_k with λ = 1 / step size
-    (:func:`damped_step`). `linear_solver`: a ``distlinalg.lineax.NormalCG``."""
+    (:func:`damped_step`). `linear_solver`: a ``distlinalg.lineax.NormalCG``.
+
+    Example:
+      A solver of one's own, from optimistix's parts made global:
+
+      >>> import optimistix as optx
+      >>> import distlinalg.lineax as dlx
+      >>> descent = dlx.DampedNewtonDescent(linear_solver=dlx.NormalCG(rtol=1e-10, atol=0.0))
+      >>> isinstance(descent, optx.DampedNewtonDescent)
+      True
+    """
 
     def step(self, step_size, state):
         _check_normal_cg(self.linear_solver, "DampedNewtonDescent")
@@ -192,7 +216,14 @@ class IndirectDampedNewtonDescent(optx.IndirectDampedNewtonDescent):
     """The trust-region form of Levenberg–Marquardt over every rank's
     residuals: λ is found by a root find on ‖δ(λ)‖ = radius, differentiating
     distlinalg's CG with respect to λ (identical on every rank).
-    `linear_solver`: a ``distlinalg.lineax.NormalCG``."""
+    `linear_solver`: a ``distlinalg.lineax.NormalCG``.
+
+    Example:
+      >>> import distlinalg.lineax as dlx
+      >>> descent = dlx.IndirectDampedNewtonDescent(linear_solver=dlx.NormalCG(rtol=1e-10, atol=0.0))
+      >>> float(descent.lambda_0)
+      1.0
+    """
 
     def step(self, step_size, state):
         _check_normal_cg(self.linear_solver, "IndirectDampedNewtonDescent")
@@ -218,7 +249,14 @@ class IndirectDampedNewtonDescent(optx.IndirectDampedNewtonDescent):
 class DoglegDescent(optx.DoglegDescent):
     """optimistix's dogleg with its Cauchy point from every rank's residuals:
     g = Σ_k J_kᵀ r_k and ‖J g‖² = Σ_k ‖J_k g‖². `linear_solver`: a
-    ``distlinalg.lineax.NormalCG`` (the Newton step)."""
+    ``distlinalg.lineax.NormalCG`` (the Newton step).
+
+    Example:
+      >>> import distlinalg.lineax as dlx
+      >>> descent = dlx.DoglegDescent(linear_solver=dlx.NormalCG(rtol=1e-10, atol=0.0))
+      >>> descent.trust_region_norm.__name__    # optimistix's 2-norm: parameters are replicated
+      'two_norm'
+    """
 
     def query(self, y, f_info, state):
         if not isinstance(f_info, optx.FunctionInfo.ResidualJac):
@@ -255,7 +293,7 @@ def _verbose(verbose: Any) -> Callable[..., None]:
 
 
 def _default_linear_solver() -> Any:
-    return _lineax().NormalCG(rtol=1e-10, atol=0.0)
+    return _lineax().NormalCG(rtol=1e-6, atol=0.0)
 
 
 def _set_fields(solver: Any, rtol: float, atol: float, norm: Callable | None, linear_solver: Any, verbose: Any,
@@ -273,7 +311,7 @@ def _set_fields(solver: Any, rtol: float, atol: float, norm: Callable | None, li
 
 class GaussNewton(optx.GaussNewton):
     """``optimistix.GaussNewton`` over every rank's residuals: defaults
-    ``norm=distlinalg.lineax.max_norm`` and ``linear_solver=NormalCG``.
+    ``norm=distlinalg.lineax.max_norm`` and ``linear_solver=NormalCG(rtol=1e-6)``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -281,9 +319,9 @@ class GaussNewton(optx.GaussNewton):
       >>> import distlinalg.lineax as dlx
       >>> from distlinalg import comm
       >>> t = jnp.array([0.0, 1.0]) + 2 * comm.rank()          # this rank's points of y = 1 + t/2
-      >>> fit = optx.least_squares(lambda p, t: p[0] + p[1] * t - (1 + 0.5 * t), dlx.GaussNewton(1e-8, 1e-8),
+      >>> fit = optx.least_squares(lambda p, t: p[0] + p[1] * t - (1 + 0.5 * t), dlx.GaussNewton(1e-6, 1e-6),
       ...                          jnp.zeros(2), args=t)
-      >>> bool(jnp.allclose(fit.value, jnp.array([1.0, 0.5]), atol=1e-6))
+      >>> bool(jnp.allclose(fit.value, jnp.array([1.0, 0.5]), atol=1e-4))
       True
     """
 
@@ -306,7 +344,8 @@ class LevenbergMarquardt(optx.LevenbergMarquardt):
       rtol, atol: optimistix's termination tolerances.
       norm: of residual and parameter changes; default
         ``distlinalg.lineax.max_norm`` (over every rank's entries).
-      linear_solver: a ``distlinalg.lineax.NormalCG`` (default rtol 1e-10).
+      linear_solver: a ``distlinalg.lineax.NormalCG`` (default rtol 1e-6: reachable in
+        float32; pass a tighter one for float64 fits).
       verbose: False, or a callable (optimistix's ``verbose``; the loss it
         is given is this rank's share).
 
@@ -322,9 +361,9 @@ class LevenbergMarquardt(optx.LevenbergMarquardt):
       >>> t = jnp.linspace(0.0, 1.0, 4) + comm.rank()           # this rank's points
       >>> def residuals(p, t):
       ...     return p[0] * jnp.exp(p[1] * t) - 2.0 * jnp.exp(-0.5 * t)
-      >>> fit = optx.least_squares(residuals, dlx.LevenbergMarquardt(1e-10, 1e-10), jnp.array([1.0, 0.0]),
+      >>> fit = optx.least_squares(residuals, dlx.LevenbergMarquardt(1e-6, 1e-6), jnp.array([1.0, 0.0]),
       ...                          args=t, max_steps=100)
-      >>> bool(jnp.allclose(fit.value, jnp.array([2.0, -0.5]), atol=1e-6))   # the same on every rank
+      >>> bool(jnp.allclose(fit.value, jnp.array([2.0, -0.5]), atol=1e-4))   # the same on every rank
       True
     """
 
@@ -347,9 +386,9 @@ class IndirectLevenbergMarquardt(optx.IndirectLevenbergMarquardt):
       >>> from distlinalg import comm
       >>> t = jnp.linspace(0.0, 1.0, 4) + comm.rank()
       >>> fit = optx.least_squares(lambda p, t: p[0] * jnp.exp(p[1] * t) - 2.0 * jnp.exp(-0.5 * t),
-      ...                          dlx.IndirectLevenbergMarquardt(1e-10, 1e-10), jnp.array([1.0, 0.0]),
+      ...                          dlx.IndirectLevenbergMarquardt(1e-6, 1e-6), jnp.array([1.0, 0.0]),
       ...                          args=t, max_steps=100)
-      >>> bool(jnp.allclose(fit.value, jnp.array([2.0, -0.5]), atol=1e-6))
+      >>> bool(jnp.allclose(fit.value, jnp.array([2.0, -0.5]), atol=1e-4))
       True
     """
 
@@ -372,8 +411,8 @@ class Dogleg(optx.Dogleg):
       >>> from distlinalg import comm
       >>> t = jnp.linspace(0.0, 1.0, 4) + comm.rank()
       >>> fit = optx.least_squares(lambda p, t: p[0] * jnp.exp(p[1] * t) - 2.0 * jnp.exp(-0.5 * t),
-      ...                          dlx.Dogleg(1e-10, 1e-10), jnp.array([1.0, 0.0]), args=t, max_steps=100)
-      >>> bool(jnp.allclose(fit.value, jnp.array([2.0, -0.5]), atol=1e-6))
+      ...                          dlx.Dogleg(1e-6, 1e-6), jnp.array([1.0, 0.0]), args=t, max_steps=100)
+      >>> bool(jnp.allclose(fit.value, jnp.array([2.0, -0.5]), atol=1e-4))
       True
     """
 
@@ -473,7 +512,6 @@ def _global_counterpart(solver: Any) -> Any:
 _optx_least_squares = getattr(optx.least_squares, "optimistix_least_squares", optx.least_squares)
 
 
-@functools.wraps(_optx_least_squares)
 def least_squares(fn: Any, solver: Any, y0: Any, args: Any = None, options: Any = None, **kwargs: Any) -> Any:
     """``optimistix.least_squares`` for residuals sharded over ranks.
 
@@ -498,11 +536,11 @@ def least_squares(fn: Any, solver: Any, y0: Any, args: Any = None, options: Any 
       >>> import distlinalg.lineax as dlx
       >>> from distlinalg import comm
       >>> t = jnp.linspace(0.0, 1.0, 4) + comm.rank()
-      >>> solver = optx.LevenbergMarquardt(1e-10, 1e-10, norm=dlx.max_norm,
-      ...                                  linear_solver=dlx.NormalCG(rtol=1e-12, atol=0.0))
+      >>> solver = optx.LevenbergMarquardt(1e-6, 1e-6, norm=dlx.max_norm,
+      ...                                  linear_solver=dlx.NormalCG(rtol=1e-6, atol=0.0))
       >>> fit = optx.least_squares(lambda p, t: p[0] * jnp.exp(p[1] * t) - 2.0 * jnp.exp(-0.5 * t),
       ...                          solver, jnp.array([1.0, 0.0]), args=t, max_steps=100)
-      >>> bool(jnp.allclose(fit.value, jnp.array([2.0, -0.5]), atol=1e-6))
+      >>> bool(jnp.allclose(fit.value, jnp.array([2.0, -0.5]), atol=1e-4))
       True
     """
     if isinstance(solver, optx.AbstractMinimiser) and _is_distributed(solver):

@@ -280,7 +280,17 @@ _register()
 def distributed_parts(op: Any) -> list[DistributedOperator]:
     """The :class:`DistributedOperator` s inside a lineax operator (itself, or
     those a wrapper such as ``TaggedLinearOperator``, ``AddLinearOperator``,
-    ``ComposedLinearOperator`` … holds), in tree order."""
+    ``ComposedLinearOperator`` … holds), in tree order.
+
+    Example:
+      >>> import lineax as lx
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg import operators
+      >>> A = dlx.operator(operators.laplacian_2d(4))
+      >>> parts = dlx.distributed_parts(lx.AddLinearOperator(A, A))
+      >>> len(parts), parts[0] is A
+      (2, True)
+    """
     return [leaf for leaf in jax.tree_util.tree_leaves(op, is_leaf=lambda x: isinstance(x, DistributedOperator))
             if isinstance(leaf, DistributedOperator)]
 

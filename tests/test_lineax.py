@@ -373,7 +373,7 @@ def _least_squares_solver(kind):
     normal_cg = dlx.NormalCG(rtol=1e-13, atol=0.0)
     tolerances = dict(rtol=1e-12, atol=1e-12)
     return {
-        "dlx.GaussNewton": lambda: dlx.GaussNewton(**tolerances),
+        "dlx.GaussNewton": lambda: dlx.GaussNewton(**tolerances, linear_solver=normal_cg),
         "dlx.LevenbergMarquardt": lambda: dlx.LevenbergMarquardt(**tolerances, linear_solver=normal_cg),
         "dlx.IndirectLevenbergMarquardt": lambda: dlx.IndirectLevenbergMarquardt(**tolerances,
                                                                                  linear_solver=normal_cg),
