@@ -182,8 +182,10 @@ def test_cg_on_gram_matches_dense_solve(comm, rank, size, mode):
     rng = np.random.default_rng(8)
     F = rng.standard_normal(flat.size) + (1j * rng.standard_normal(flat.size) if mode != "real" else 0)
     op = ops.gram(f, params, jnp.asarray(mine), diag_shift=0.01, mode=mode, comm=comm)
-    x, info = dl.cg(op, unravel(jnp.asarray(F, flat.dtype)), rtol=1e-13, maxiter=500)
-    assert bool(info.converged)
+    # rtol 1e-12: the true residual ‖F − S x‖ of this Gram operator is computed to about 2e-13
+    # relative (solves check it; 1e-13 ends as DIVERGED_ACCURACY_LOST on 2 ranks).
+    x, info = dl.cg(op, unravel(jnp.asarray(F, flat.dtype)), rtol=1e-12, maxiter=500)
+    assert bool(info.converged), info
     S, _ = dense_reference(f, params, everything, mode, True, 0.01, None)
     x_flat, _ = ravel_pytree(x)
     if mode == "complex":
