@@ -58,7 +58,7 @@ def krylov_solve(
     over ranks (`replicated_transpose`).
 
     `verify_residual`: when the iteration claims convergence, check the true
-    residual ‖b − A x‖ against the tolerance (`backed_by_true_residual`).
+    residual ‖b − A x‖ against the tolerance (`iterate_until_backed`).
     `cycles_of(iterations)`: what `maxiter` counts, from the iterations done
     (default: iterations; GMRES: restart cycles). `local_norm_sq(v)`: this
     rank's part of the squared norm the method's stopping test uses (default
