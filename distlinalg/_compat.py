@@ -79,6 +79,7 @@ def register_ordered_effect(effect_type: type) -> None:
     _effects.remat_allowed_effects.add_type(effect_type)
     _effects.partial_eval_kept_effects.add_type(effect_type)
     _recover_failed_tokens_of(effect_type)
+    _wait_for_programs_without_results(effect_type)
     _keep_ordered_effects_off_the_aot_fast_path()
 
 
@@ -145,6 +146,50 @@ def _recover_failed_tokens_of(effect_type: type) -> None:
     get_token_input._distlinalg_original = original  # type: ignore[attr-defined]
     get_token_input._distlinalg_effects = tuple(recovered)  # type: ignore[attr-defined]
     token_set.get_token_input = get_token_input
+
+
+def _wait_for_programs_without_results(effect_type: type) -> None:
+    """Raise the error of a program with this effect and no array results at its call.
+
+    A program's error reaches the caller through its results, when they are
+    read. A program with none (``jax.jit(barrier)``, a lone ``send``) has
+    only its effect token, and on a backend that runs programs
+    asynchronously (GPU) the call returned while the program failed: a
+    mismatch found by the signature check raised on the ranks whose program
+    had results and on no other (seen on an H100, issue 40), and the next
+    dispatch dropped the failed token (`_recover_failed_tokens_of`). Such a
+    program now waits for its token before the call returns, so its error is
+    raised there, on every rank, as on the CPU; the failed token is dropped
+    at once. Programs with results are left asynchronous.
+    """
+    from jax._src.interpreters import pxla  # private
+
+    executor = getattr(pxla, "ExecuteReplicated", None)
+    current = getattr(executor, "__call__", None)
+    if current is None:
+        return
+    original = getattr(current, "_distlinalg_original", current)
+    effects = tuple(set(getattr(current, "_distlinalg_effects", ())) | {effect_type})
+
+    def __call__(self: Any, *args: Any) -> Any:
+        out = original(self, *args)
+        ours = [eff for eff in (getattr(self, "ordered_effects", None) or ()) if isinstance(eff, effects)]
+        if ours and not any(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(out)):
+            tokens = _dispatch.runtime_tokens.current_tokens
+            for eff in ours:
+                token = tokens.get(eff)
+                if token is None:
+                    continue
+                try:
+                    token.block_until_ready()
+                except jax.errors.JaxRuntimeError:
+                    tokens.pop(eff, None)
+                    raise
+        return out
+
+    __call__._distlinalg_original = original  # type: ignore[attr-defined]
+    __call__._distlinalg_effects = effects  # type: ignore[attr-defined]
+    executor.__call__ = __call__
 
 
 def effect_tokens() -> dict[Any, Any]:

@@ -151,6 +151,37 @@ def test_programs_run_after_a_failed_program_left_an_error_in_the_effect_token(c
         np.testing.assert_allclose(program(jnp.ones(3)), np.full(3, expected))
 
 
+def test_program_without_results_raises_its_error_at_the_call(comm, size, monkeypatch):
+    """On a GPU, a jitted program with no results (a barrier) that fails leaves its
+    error only in its effect token; the call must raise it (every rank of a mismatch
+    raises), drop the failed token, and leave programs with results asynchronous.
+
+    Set up on the CPU: the program's output token for the MPI effect holds an error.
+    """
+    from distlinalg import _compat
+    from distlinalg.comm._core import mpi_effect
+
+    token_set = _compat._dispatch.RuntimeTokenSet
+    hand_on = token_set.set_token_result
+
+    def failing(self, eff, token):
+        hand_on(self, eff, _compat.token(_FailedTokenBuffer()) if eff == mpi_effect else token)
+
+    without_results = jax.jit(lambda: barrier(comm=comm))
+    with_results = jax.jit(lambda x: allreduce(x, comm=comm))
+    without_results(), with_results(jnp.ones(2))  # compiled, and run as usual
+    monkeypatch.setattr(token_set, "set_token_result", failing)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="an earlier program failed"):
+        without_results()
+    assert mpi_effect not in _compat.effect_tokens()
+    # A program with results returns; its error would come with them.
+    np.testing.assert_allclose(with_results(jnp.ones(2)), np.full(2, size))
+    assert isinstance(_compat.effect_tokens()[mpi_effect]._buf, _FailedTokenBuffer)
+    monkeypatch.undo()
+    np.testing.assert_allclose(with_results(jnp.ones(2)), np.full(2, size))  # the next dispatch recovers
+    without_results()
+
+
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64])
 @pytest.mark.parametrize("op", ["max", "min"])
 def test_nan_propagates_in_min_max_for_every_float_dtype(comm, rank, size, dtype, op):

@@ -554,6 +554,8 @@ def test_cg_updates_large_carried_vectors_in_place(comm, rank, size):
         vector = rf"f64\[({(stop - start) * n}|{stop - start},{n})\]"
         copies = [line for c in bodies for line in c.splitlines() if re.search(rf"= {vector}\S* copy\(", line)]
         assert not copies, (method, pre is not None, copies)
+        if jax.default_backend() != "cpu":
+            continue  # the handlers below are the CPU's; XLA's GPU fusions do this work themselves
         # The vector updates and the inner products of a step read each vector
         # once (solvers/_fused_update.py, _local_dots.py): no product vector
         # reduced by XLA fusions (named after their reduce).
@@ -604,6 +606,8 @@ def test_minres_loop_copies_no_vector(comm):
         vector = rf"f64\[({(stop - start) * n}|{stop - start},{n})\]"
         copies = [line for c in bodies for line in c.splitlines() if re.search(rf"= {vector}\S* copy\(", line)]
         assert not copies, (shift, copies)
+        if jax.default_backend() != "cpu":
+            continue  # the handlers below are the CPU's; XLA's GPU fusions do this work themselves
         # Per step: y − c r₁ with ⟨u, y⟩, r₂' with ⟨r₂', r₂'⟩, and w with x.
         assert all(c.count("custom_call_target=\"distlinalg_fused_update\"") >= 3 for c in bodies), shift
         reductions = [line for c in bodies for line in c.splitlines()

@@ -53,12 +53,19 @@ from .nonblocking import Request, wait
 #     program order (the next distlinalg operation) waits for them.
 #   pass_through=True: also, the arrays it returns are computed from its
 #     run-time zero (x + 0), so their uses wait for what came before it.
+#   mpi_order=False: only XLA's own computations need the order (the
+#     in-place updates of the solvers, the stencil's materialised block).
+#     On the CPU that is still the custom call (XLA's CPU pipeline removes
+#     optimization barriers before it schedules); on GPUs it lowers to an
+#     optimization barrier (the identity without pass_through, where
+#     nothing waits for the arrays), which XLA's GPU compiler honours, and
+#     the MPI token passes through: no custom call, nothing launched.
 fence_p = Primitive("distlinalg_fence")
 fence_p.multiple_results = True
-fence_p.def_effectful_abstract_eval(lambda *avals, pass_through: (list(avals), {_core.mpi_effect}))
+fence_p.def_effectful_abstract_eval(lambda *avals, pass_through, mpi_order: (list(avals), {_core.mpi_effect}))
 # Eagerly (and in jax.jvp of eager code) operations run one after the other
 # in program order already: the fence has nothing to do.
-fence_p.def_impl(lambda *xs, pass_through: list(xs))
+fence_p.def_impl(lambda *xs, pass_through, mpi_order: list(xs))
 
 
 def _plus(zero: Any, x: Any) -> Any:
@@ -68,7 +75,7 @@ def _plus(zero: Any, x: Any) -> Any:
     return x + zero.astype(x.dtype)
 
 
-def _fence_lowering(ctx: Any, *xs: Any, pass_through: bool) -> Sequence[Any]:
+def _fence_lowering(ctx: Any, *xs: Any, pass_through: bool, mpi_order: bool) -> Sequence[Any]:
     # The handler (csrc/nonblocking.cc) reads the arrays, hands the token on
     # and writes a float32 zero; it does nothing else, on the CPU and on
     # GPUs (no stream synchronisation). An optimization_barrier would not
@@ -87,45 +94,59 @@ def _fence_lowering(ctx: Any, *xs: Any, pass_through: bool) -> Sequence[Any]:
     return mlir.lower_fun(lambda z, *xs: [_plus(z, x) for x in xs], multiple_results=True)(add, zero, *xs)
 
 
-def _fence_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, pass_through: bool) -> tuple[list, list]:
+def _gpu_fence_lowering(ctx: Any, *xs: Any, pass_through: bool, mpi_order: bool) -> Sequence[Any]:
+    if mpi_order:
+        return _fence_lowering(ctx, *xs, pass_through=pass_through, mpi_order=mpi_order)
+    _compat.set_token_out(ctx, _core.mpi_effect, _compat.token_in(ctx, _core.mpi_effect))
+    if not pass_through:  # nothing waits for the arrays: the identity
+        return xs
+    barrier = _compat.effect_free_lowering_context(ctx, ctx.avals_in, ctx.avals_out)
+    return mlir.lower_fun(lambda *xs: list(jax.lax.optimization_barrier(xs)), multiple_results=True)(barrier, *xs)
+
+
+def _fence_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, pass_through: bool,
+               mpi_order: bool) -> tuple[list, list]:
     # Two fences, not one: the primal fence stays in the forward pass when
     # JAX splits a linearised program, the tangent fence becomes the
     # cotangents' fence of the backward pass.
-    outs = fence_p.bind(*primals, pass_through=pass_through)
+    outs = fence_p.bind(*primals, pass_through=pass_through, mpi_order=mpi_order)
     present = [i for i, t in enumerate(tangents) if not isinstance(t, ad.Zero)]
-    fenced = fence_p.bind(*(tangents[i] for i in present), pass_through=pass_through) if present else []
+    fenced = fence_p.bind(*(tangents[i] for i in present), pass_through=pass_through,
+                          mpi_order=mpi_order) if present else []
     out_tangents = list(tangents)
     for i, t in zip(present, fenced):
         out_tangents[i] = t
     return outs, out_tangents
 
 
-def _fence_transpose(cts: Sequence[Any], *xs: Any, pass_through: bool) -> list:
+def _fence_transpose(cts: Sequence[Any], *xs: Any, pass_through: bool, mpi_order: bool) -> list:
     # Reversed, the roles swap: the fence after a start (pass-through) now
     # stands before the transposed start, where it must only be read; the
     # fence before a wait now stands after the transposed wait, where the
     # cotangents it hands on must wait for it.
     linear = [i for i, x in enumerate(xs) if _core.is_undefined(x)]
     cts_in = [_core.instantiate(cts[i]) for i in linear]
-    fenced = fence_p.bind(*cts_in, pass_through=not pass_through) if linear else []
+    fenced = fence_p.bind(*cts_in, pass_through=not pass_through, mpi_order=mpi_order) if linear else []
     result: list = [None] * len(xs)
     for i, ct in zip(linear, fenced):
         result[i] = ct
     return result
 
 
-def _fence_batch(args: Sequence[Any], dims: Sequence[Any], *, pass_through: bool) -> tuple[list, Sequence[Any]]:
-    return fence_p.bind(*args, pass_through=pass_through), dims
+def _fence_batch(args: Sequence[Any], dims: Sequence[Any], *, pass_through: bool,
+                 mpi_order: bool) -> tuple[list, Sequence[Any]]:
+    return fence_p.bind(*args, pass_through=pass_through, mpi_order=mpi_order), dims
 
 
-for _platform in ("cpu", "cuda") if _mpi.BUILD_INFO["cuda"] else ("cpu",):
-    mlir.register_lowering(fence_p, _fence_lowering, platform=_platform)
+mlir.register_lowering(fence_p, _fence_lowering, platform="cpu")
+if _mpi.BUILD_INFO["cuda"]:
+    mlir.register_lowering(fence_p, _gpu_fence_lowering, platform="cuda")
 ad.primitive_jvps[fence_p] = _fence_jvp
 ad.primitive_transposes[fence_p] = _fence_transpose
 batching.primitive_batchers[fence_p] = _fence_batch
 
 
-def fence(tree: Any, *, pass_through: bool = True) -> Any:
+def fence(tree: Any, *, pass_through: bool = True, mpi_order: bool = True) -> Any:
     """`tree` (a pytree of arrays), ordered with the MPI operations.
 
     Every distlinalg operation traced after the fence runs after `tree` has
@@ -137,12 +158,17 @@ def fence(tree: Any, *, pass_through: bool = True) -> Any:
     ``pass_through`` costs one elementwise add per array, which XLA fuses
     into its first use when that is elementwise (a stencil); without it
     the fence costs nothing at run time.
+
+    ``mpi_order=False``: only XLA's computations need the order (no MPI
+    operation waits for `tree`). Off the CPU the fence is then an
+    optimization barrier, or the identity without ``pass_through`` (no
+    custom call); the CPU keeps the custom call.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if not leaves or _compat.at_top_level():
         return tree
     leaves = [_core.as_array(leaf) for leaf in leaves]
-    return jax.tree_util.tree_unflatten(treedef, fence_p.bind(*leaves, pass_through=pass_through))
+    return jax.tree_util.tree_unflatten(treedef, fence_p.bind(*leaves, pass_through=pass_through, mpi_order=mpi_order))
 
 
 def overlap(requests: Request | Sequence[Request], fn: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
@@ -195,12 +221,28 @@ def overlap(requests: Request | Sequence[Request], fn: Callable[..., Any], *args
             )
     if not listed:  # nothing under way: nothing to order
         return ([] if not single else None), fn(*args)
+    if all(_local(request) for request in listed):  # computed at the start: nothing to hide
+        return _waited(listed, single), fn(*args)
     # The second fence only reads `out` (the waits follow it); `out` itself
     # is returned through it so that in reverse mode the cotangent passes the
     # transposed fence, which hands it on after the adjoint messages' starts.
     out = fence(fn(*fence(args)), pass_through=False)
+    return _waited(listed, single), out
+
+
+def _waited(listed: list[Request], single: bool) -> Any:
     results = [wait(request) for request in listed]
-    return (results[0] if single else results), out
+    return results[0] if single else results
+
+
+def _local(request: Request) -> bool:
+    """Whether `request` is a collective on a one-rank communicator, computed where it started."""
+    return request.start in _LOCAL_STARTS and request.comm.size == 1 and _core.elide_one_rank()
+
+
+# The non-blocking collectives that a one-rank communicator computes locally
+# (point-to-point requests still go through MPI there).
+_LOCAL_STARTS = frozenset({"iallreduce", "iallgather", "ireduce_scatter"})
 
 
 __all__ = ["fence", "fence_p", "overlap"]
