@@ -45,6 +45,51 @@ ffi::Error KeepTemplateBeyondMessage(const char* op, const MPI_Status& status,
                    total - received);
 }
 
+// A receive must be filled by its message: a shorter message would leave
+// the template's tail in the result without a word, and a longer one is
+// truncated by MPI. Both are reported on the receiving rank with the two
+// sizes. `may_lack` (distlinalg/comm/p2p.py, _fills): 0, the message fills
+// the template; k > 0, it may also lack k elements (the flags of the primal
+// message of a differentiated exchange, which a source that does not
+// differentiate does not send); -1, it may be shorter (the caller gets the
+// status, which counts it). Messages with distlinalg's own tags
+// (derivatives) and from MPI_PROC_NULL are not checked.
+ffi::Error CheckMessageFills(const char* op, int rc, const MPI_Status& status, int source, int tag,
+                             const BlockType& block, TypeInfo ti, ffi::DataType dtype,
+                             int64_t expected, int32_t may_lack) {
+  const int from = rc == MPI_SUCCESS ? status.MPI_SOURCE : source;
+  const int with_tag = rc == MPI_SUCCESS ? status.MPI_TAG : tag;
+  auto where = [&] {
+    return std::string("distlinalg: ") + op + ": the message from rank " + std::to_string(from) +
+           " (tag " + std::to_string(with_tag) + ")";
+  };
+  const std::string rule =
+      ": a point-to-point message must fill its receive template exactly (same element count "
+      "on both sides, batch dimensions included; recv/sendrecv with return_status=True accept "
+      "a shorter message and report its size)";
+  if (rc != MPI_SUCCESS) {
+    int error_class = MPI_SUCCESS;
+    MPI_Error_class(rc, &error_class);
+    if (error_class != MPI_ERR_TRUNCATE) return MpiError(op, rc);
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      where() + " is longer than the receive template of " + std::to_string(expected) +
+                          " elements of " + DtypeName(dtype) + " (MPI: message truncated)" + rule);
+  }
+  if (from == MPI_PROC_NULL || with_tag >= kUserTagLimit) return ffi::Error::Success();
+  MPI_Count elements = 0;
+  DL_MPI_CHECK(op, MPI_Get_elements_x(&status, block.type(), &elements));
+  // MPI counts basic elements; float16 and bfloat16 are built from bytes.
+  const bool bytes = dtype == ffi::DataType::F16 || dtype == ffi::DataType::BF16;
+  const int64_t received = bytes ? static_cast<int64_t>(elements) / static_cast<int64_t>(ti.itemsize)
+                                 : static_cast<int64_t>(elements);
+  if (received == expected || (may_lack > 0 && received == expected - may_lack) ||
+      (may_lack < 0 && received <= expected))
+    return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    where() + " has " + std::to_string(received) + " elements of " + DtypeName(dtype) +
+                        ", the receive template " + std::to_string(expected) + rule);
+}
+
 // Early arrivals. A receive with MPI_ANY_TAG (and usually MPI_ANY_SOURCE)
 // can meet a derivative message (tag >= kUserTagLimit) that is meant for a
 // later, explicit receive of this rank: e.g. in reverse mode a rank that is
@@ -166,8 +211,8 @@ ffi::Error RecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::Result<ffi::Token>,
   BlockType block;
   DL_MPI_CHECK("recv", block.Init(n, ti.type));
   MPI_Status status;
-  DL_MPI_CHECK("recv", MPI_Recv(y->untyped_data(), block.count(),
-                                block.type(), source, tag, comm, &status));
+  const int rc = MPI_Recv(y->untyped_data(), block.count(), block.type(), source, tag, comm, &status);
+  DL_CHECK(CheckMessageFills("recv", rc, status, source, tag, block, ti, y->element_type(), n, 0));
   return KeepTemplateBeyondMessage("recv", status, block, ti, templ, y);
 }
 
@@ -175,7 +220,7 @@ ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
                         ffi::AnyBuffer recvbuf, ffi::Result<ffi::Token>,
                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
                         int32_t source, int32_t dest, int32_t sendtag,
-                        int32_t recvtag, ffi::RunId run, int64_t site) {
+                        int32_t recvtag, int32_t may_lack, ffi::RunId run, int64_t site) {
   MpiLock lock;
   DL_CHECK(CheckNotFinalized("sendrecv"));
   MPI_Comm comm = CommFromHandle(comm_handle);
@@ -210,11 +255,11 @@ ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
     return ffi::Error::Success();
   }
   MPI_Status status;
-  DL_MPI_CHECK("sendrecv",
-               MPI_Sendrecv(sendbuf.untyped_data(), sblock.count(),
-                            sblock.type(), dest, sendtag, y->untyped_data(),
-                            rblock.count(), rblock.type(), source, recvtag,
-                            comm, &status));
+  const int rc = MPI_Sendrecv(sendbuf.untyped_data(), sblock.count(), sblock.type(), dest, sendtag,
+                              y->untyped_data(), rblock.count(), rblock.type(), source, recvtag,
+                              comm, &status);
+  DL_CHECK(CheckMessageFills("sendrecv", rc, status, source, recvtag, rblock, rt,
+                             recvbuf.element_type(), nr, may_lack));
   return KeepTemplateBeyondMessage("sendrecv", status, rblock, rt, recvbuf, y);
 }
 
@@ -319,7 +364,7 @@ ffi::Error SendrecvStatusImpl(ffi::Token, ffi::AnyBuffer sendbuf,
                               ffi::Result<ffi::AnyBuffer> y,
                               ffi::Result<ffi::AnyBuffer> status_out,
                               int64_t comm_handle, int32_t source, int32_t dest,
-                              int32_t sendtag, int32_t recvtag, int32_t dynamic,
+                              int32_t sendtag, int32_t recvtag, int32_t dynamic, int32_t may_lack,
                               ffi::RunId run, int64_t site) {
   MpiLock lock;
   DL_CHECK(CheckNotFinalized("sendrecv"));
@@ -385,6 +430,7 @@ ffi::Error SendrecvStatusImpl(ffi::Token, ffi::AnyBuffer sendbuf,
     items = static_cast<MPI_Count>(got / rt.itemsize);
   } else {
     MPI_Status status;
+    int rc = MPI_SUCCESS;
     if (recvtag == MPI_ANY_TAG && source != MPI_PROC_NULL) {
       // The send goes out first (a ring of wildcard exchanges must not wait
       // on each other), then the first user message is matched.
@@ -398,16 +444,15 @@ ffi::Error SendrecvStatusImpl(ffi::Token, ffi::AnyBuffer sendbuf,
         MPI_Wait(&send, MPI_STATUS_IGNORE);
         return probed;
       }
-      const int rc = MPI_Mrecv(y->untyped_data(), rblock.count(), rblock.type(),
-                               &message, &status);
+      rc = MPI_Mrecv(y->untyped_data(), rblock.count(), rblock.type(), &message, &status);
       DL_MPI_CHECK("sendrecv", MPI_Wait(&send, MPI_STATUS_IGNORE));
-      DL_MPI_CHECK("sendrecv", rc);
     } else {
-      DL_MPI_CHECK("sendrecv",
-                   MPI_Sendrecv(sendbuf.untyped_data(), sblock.count(), sblock.type(),
-                                dest, sendtag, y->untyped_data(), rblock.count(),
-                                rblock.type(), source, recvtag, comm, &status));
+      rc = MPI_Sendrecv(sendbuf.untyped_data(), sblock.count(), sblock.type(), dest, sendtag,
+                        y->untyped_data(), rblock.count(), rblock.type(), source, recvtag, comm,
+                        &status);
     }
+    DL_CHECK(CheckMessageFills("sendrecv", rc, status, source, recvtag, rblock, rt, dtype, nr,
+                               may_lack));
     DL_CHECK(KeepTemplateBeyondMessage("sendrecv", status, rblock, rt, recvbuf, y));
     MPI_Count elements = 0;
     DL_MPI_CHECK("sendrecv", MPI_Get_elements_x(&status, rblock.type(), &elements));
@@ -440,7 +485,7 @@ namespace ffi = xla::ffi;
   b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()           \
       .Ret<ffi::Token>().Ret<ffi::AnyBuffer>().Attr<int64_t>("comm")        \
       .Attr<int32_t>("source").Attr<int32_t>("dest").Attr<int32_t>("sendtag") \
-      .Attr<int32_t>("recvtag").Ctx<ffi::RunId>().Attr<int64_t>("site")
+      .Attr<int32_t>("recvtag").Attr<int32_t>("may_lack").Ctx<ffi::RunId>().Attr<int64_t>("site")
 
 DL_DEFINE_HANDLERS(DlSend, dl::SendImpl, DL_SEND);
 DL_DEFINE_HANDLERS(DlRecv, dl::RecvImpl, DL_RECV);
@@ -451,6 +496,6 @@ DL_DEFINE_HANDLERS(DlSendrecv, dl::SendrecvImpl, DL_SENDRECV);
       .Arg<ffi::AnyBuffer>().Ret<ffi::Token>().Ret<ffi::AnyBuffer>()          \
       .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm").Attr<int32_t>("source")    \
       .Attr<int32_t>("dest").Attr<int32_t>("sendtag").Attr<int32_t>("recvtag") \
-      .Attr<int32_t>("dynamic").Ctx<ffi::RunId>().Attr<int64_t>("site")
+      .Attr<int32_t>("dynamic").Attr<int32_t>("may_lack").Ctx<ffi::RunId>().Attr<int64_t>("site")
 
 DL_DEFINE_HANDLERS(DlSendrecvStatus, dl::SendrecvStatusImpl, DL_SENDRECV_STATUS);

@@ -3,6 +3,8 @@ control flow, the derivative-message protocol's edge cases, and bad input."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,30 +88,76 @@ def test_proc_null_chain(comm, rank, size):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float64, jnp.complex128, jnp.float16, jnp.int32])
-def test_shorter_message_keeps_the_template_tail(comm, rank, size, dtype):
-    """A message shorter than the template fills its head; the rest keeps the template's values."""
+def test_shorter_message_keeps_the_template_tail_with_a_status(comm, rank, size, dtype):
+    """With return_status=True a message shorter than the template fills its head, the rest
+    keeps the template's values, and the status counts what arrived."""
     left, right = chain_neighbours(rank, size)
     x = jnp.asarray(np.arange(3) + 10 * rank).astype(dtype)
     template = jnp.asarray(-1 - np.arange(5)).astype(dtype)
     expected = np.asarray(template).copy()
     if left != PROC_NULL:
         expected[:3] = np.arange(3) + 10 * left
+    count = 0 if left == PROC_NULL else 3
     failures = []
-    for fn in (lambda a, t: sendrecv(a, t, left, right, comm=comm),
-               jax.jit(lambda a, t: sendrecv(a, t, left, right, comm=comm))):
-        got = np.asarray(fn(x, template))
-        if not np.array_equal(got, expected):
-            failures.append(f"sendrecv gave {got}, expected {expected}")
+    for fn in (lambda a, t: sendrecv(a, t, left, right, comm=comm, return_status=True),
+               jax.jit(lambda a, t: sendrecv(a, t, left, right, comm=comm, return_status=True))):
+        got, status = fn(x, template)
+        if not np.array_equal(np.asarray(got), expected) or int(status.count) != count:
+            failures.append(f"sendrecv gave {got} ({int(status.count)}), expected {expected} ({count})")
     # recv: the chain again, in send/recv pairs (even ranks send first).
     if rank % 2 == 0:
         send(x, right, tag=4, comm=comm)
-        got = recv(template, left, tag=4, comm=comm)
+        got, status = recv(template, left, tag=4, comm=comm, return_status=True)
     else:
-        got = jax.jit(lambda t: recv(t, left, tag=4, comm=comm))(template)
+        got, status = jax.jit(lambda t: recv(t, left, tag=4, comm=comm, return_status=True))(template)
         send(x, right, tag=4, comm=comm)
-    if not np.array_equal(np.asarray(got), expected):
-        failures.append(f"recv gave {got}, expected {expected}")
+    if not np.array_equal(np.asarray(got), expected) or int(status.count) != count:
+        failures.append(f"recv gave {got} ({int(status.count)}), expected {expected} ({count})")
     assert_no_failures("; ".join(failures), comm)
+
+
+@pytest.mark.parametrize("case", ["sendrecv", "sendrecv-jit", "recv", "recv-jit", "recv-any-source", "vmap",
+                                  "pytree"])
+def test_message_of_another_size_is_an_error_on_the_receiving_rank(comm, rank, size, case):
+    """A plain receive whose message has another element count than its template (a shorter
+    one would leave the template's tail in the result, a longer one is truncated) raises on
+    the receiving rank with both sizes; the sending rank of a one-way message goes on."""
+    if size == 1:
+        pytest.skip("needs two ranks")
+    partner = {0: 1, 1: 0}.get(rank)
+    n = 3 if rank == 0 else 4  # rank 0's messages are shorter than rank 1's templates
+    # What each rank of the pair reads: rank 1 a short message, rank 0 a long one.
+    sizes = {"vmap": (4, 6)}.get(case, (3, 4))
+    short = f"has {sizes[0]} elements of float64, the receive template {sizes[1]}"
+    long = f"longer than the receive template of {sizes[0]} elements of float64"
+    expected = {0: long, 1: short}.get(rank)
+    if case == "sendrecv":
+        call = lambda: sendrecv(jnp.ones(n), jnp.zeros(n), partner, partner, comm=comm)  # noqa: E731
+    elif case == "sendrecv-jit":
+        call = lambda: jax.jit(lambda a, b: sendrecv(a, b, partner, partner, comm=comm))(  # noqa: E731
+            jnp.ones(n), jnp.zeros(n))
+    elif case == "vmap":  # the batch is part of the message: 2 lanes of 2 against 3
+        lanes = 2 if rank == 0 else 3
+        call = lambda: jax.vmap(lambda a: sendrecv(a, a * 0, partner, partner, comm=comm))(  # noqa: E731
+            jnp.ones((lanes, 2)))
+    elif case == "pytree":  # the second leaf differs
+        call = lambda: sendrecv({"a": jnp.ones(2), "b": jnp.ones(n)},  # noqa: E731
+                                {"a": jnp.zeros(2), "b": jnp.zeros(n)}, partner, partner, comm=comm)
+    else:  # one way: rank 0 sends 3 elements, rank 1 receives into 4; rank 0 goes on
+        receive = {"recv": lambda t: recv(t, 0, comm=comm),
+                   "recv-jit": jax.jit(lambda t: recv(t, 0, comm=comm)),
+                   "recv-any-source": lambda t: recv(t, MPI.ANY_SOURCE, comm=comm)}[case]
+        call = (lambda: send(jnp.ones(3), 1, comm=comm)) if rank == 0 else lambda: receive(jnp.zeros(4))
+        expected = short if rank == 1 else None
+    if partner is None:  # ranks beyond the pair exchange nothing
+        failure = ""
+    elif expected is None:
+        call()
+        failure = ""
+    else:
+        failure = failure_of(lambda: jax.block_until_ready(call()), re.escape(expected))
+    assert_no_failures(failure, comm)
+    assert_in_step(comm)
 
 
 def test_send_recv_pair(comm, rank, size):

@@ -43,9 +43,9 @@ sender differentiates says so itself:
   decides whether the cotangent is sent back, so no message is left
   unmatched and no rank waits for one that never comes.
 * A receiver that does *not* differentiate, but whose source does, receives a
-  message one element longer than its buffer: MPI fails that receive with
-  ``MPI_ERR_TRUNCATE`` ("Message truncated"), raised as a Python exception on
-  that rank. That is the one unsupported pattern; it fails loudly instead of
+  message one element longer than its buffer: MPI truncates it
+  (``MPI_ERR_TRUNCATE``), raised as a Python exception on that rank ("the
+  message from rank ... is longer than the receive template"). That is the one unsupported pattern; it fails loudly instead of
   hanging or returning a wrong derivative. (Its partner may then block until
   the job is torn down, as after any error on one MPI rank.)
 
@@ -62,6 +62,14 @@ without the check it is handled exactly.
 
 Primal-only exchanges (no differentiation) are plain MPI calls: no flag, no
 copy. Derivative messages use flagged tags (user tags are 0..4095).
+
+Sizes: a receive's message must have its template's element count; the
+handler reads the count from the MPI status (free) and raises on the
+receiving rank otherwise (`_fills`). The flagged primal message may also
+lack its flags (a source that does not differentiate). So a differentiated
+exchange whose sender's message is short by exactly the flags' count looks
+like that case and is not caught by the count: the default first-run check
+does not see it either; ``DISTLINALG_CHECK=1`` does.
 
 Wildcards and statuses: ``recv``/``sendrecv`` accept ``MPI.ANY_SOURCE`` and
 ``MPI.ANY_TAG`` and can return the receive's :class:`Status`; they go through
@@ -99,14 +107,26 @@ from ._core import ad, batching
 # receiving from PROC_NULL, tags that differ, another dtype, a longer
 # message) is left to MPI, which reports or matches it as it would on any
 # communicator.
-def _receives_own_message(s, r, *, source, dest, sendtag, recvtag, **_) -> bool:
+def _receives_own_message(s, r, *, source, dest, sendtag, recvtag, may_lack=0, **_) -> bool:
     return (
         dest == 0
         and source in (0, MPI.ANY_SOURCE)
         and recvtag in (sendtag, MPI.ANY_TAG)
         and s.dtype == r.dtype
-        and math.prod(s.shape) <= math.prod(r.shape)
+        and _fills(math.prod(s.shape), math.prod(r.shape), may_lack)  # else the handler reports it
     )
+
+
+def _fills(count: int, room: int, may_lack: int) -> bool:
+    """Whether a message of `count` elements may be received into a template of `room`.
+
+    `may_lack`: 0, exactly `room` (a user's receive); k > 0, also `room − k`
+    (the flagged primal message of a differentiated exchange, whose source
+    may not differentiate and then sends no flags); −1, any count up to
+    `room` (a receive that returns its status, which says how many came).
+    The handlers apply the same rule (csrc/p2p.cc, CheckMessageFills).
+    """
+    return count == room or (may_lack > 0 and count == room - may_lack) or (may_lack < 0 and count <= room)
 
 
 def _exchanges_locally(s, r, *, source, dest, **params) -> bool:
@@ -125,19 +145,24 @@ def _local_exchange(s, r, *, dest, **_):
 
 # ---------------------------------------------------------------------------
 # sendrecv: the plain exchange (one MPI_Sendrecv)
+#   may_lack: how many elements the message may lack (`fills`): 0 for a
+#     user's exchange (the handler reports a shorter or longer message on
+#     the receiving rank); the flags' count for the flagged exchange of a
+#     differentiated message, whose source may send none.
 sendrecv_p = _core.new_primitive("sendrecv")
 _core.def_abstract_eval(
-    sendrecv_p, lambda s, r, *, comm, source, dest, sendtag, recvtag: _core.shaped(r.shape, r.dtype)
+    sendrecv_p, lambda s, r, *, comm, source, dest, sendtag, recvtag, may_lack: _core.shaped(r.shape, r.dtype)
 )
 _core.register_lowering(
     sendrecv_p,
     "distlinalg_sendrecv",
-    lambda *, comm, source, dest, sendtag, recvtag: {
+    lambda *, comm, source, dest, sendtag, recvtag, may_lack: {
         "comm": _core.comm_attr(comm),
         "source": np.int32(source),
         "dest": np.int32(dest),
         "sendtag": np.int32(sendtag),
         "recvtag": np.int32(recvtag),
+        "may_lack": np.int32(may_lack),
     },
     # The template is aliased to the result: a template that dies here (a
     # loop's receive buffer, `y = sendrecv(x, y)`) is received into in place,
@@ -154,13 +179,13 @@ def _aval(x: Any) -> Any:
     return x.aval if _core.is_undefined(x) else jax.typeof(x)
 
 
-def _sendrecv_jvp(primals, tangents, **params):
+def _sendrecv_jvp(primals, tangents, *, may_lack, **params):
     (s, r), (ts, tr) = primals, tangents
     y, delivered = flagged_sendrecv_p.bind(s, r, depth=1, **params)
     return y, _tangent_exchange(ts, tr, delivered[0], **params)
 
 
-def _sendrecv_transpose(ct, s, r, *, comm, source, dest, sendtag, recvtag):
+def _sendrecv_transpose(ct, s, r, *, comm, source, dest, sendtag, recvtag, may_lack):
     ct = _core.instantiate(ct)
     send_aval = _aval(s)
     buffer = jnp.zeros(send_aval.shape, send_aval.dtype)
@@ -177,7 +202,7 @@ def _sendrecv_transpose(ct, s, r, *, comm, source, dest, sendtag, recvtag):
     # Always communicate: the partner's transpose posts the matching call.
     back = sendrecv_p.bind(
         ct, buffer, comm=comm, source=dest, dest=source,
-        sendtag=recvtag | ADJOINT_TAG_FLAG, recvtag=sendtag | ADJOINT_TAG_FLAG,
+        sendtag=recvtag | ADJOINT_TAG_FLAG, recvtag=sendtag | ADJOINT_TAG_FLAG, may_lack=0,
     )
     ct_s = back if _core.is_undefined(s) else None
     ct_r = None
@@ -215,10 +240,12 @@ def _flagged_exchange(s, r, *, comm, source, dest, sendtag, recvtag, depth):
     flags = jnp.ones((depth,), s.dtype)
     sent = flags if dest == PROC_NULL else jnp.concatenate([jnp.ravel(s), flags])
     if source == PROC_NULL:
-        sendrecv_p.bind(sent, jnp.zeros((depth,), r.dtype), **params)
+        sendrecv_p.bind(sent, jnp.zeros((depth,), r.dtype), may_lack=0, **params)
         return [r, jnp.zeros((depth,), np.bool_)]
     n = math.prod(r.shape)
-    got = sendrecv_p.bind(sent, jnp.concatenate([jnp.ravel(r), jnp.zeros((depth,), r.dtype)]), **params)
+    # A source that does not differentiate sends no flags.
+    got = sendrecv_p.bind(sent, jnp.concatenate([jnp.ravel(r), jnp.zeros((depth,), r.dtype)]), may_lack=depth,
+                          **params)
     return [got[:n].reshape(r.shape), got[n:] != 0]
 
 
@@ -252,7 +279,8 @@ def _tangent_exchange(ts, tr, delivered, *, comm, source, dest, sendtag, recvtag
     reverse mode instead of being transposed.
     """
     ts, tr = _core.instantiate(ts), _core.instantiate(tr)
-    params = dict(comm=comm, dest=dest, sendtag=sendtag | TANGENT_TAG_FLAG, recvtag=recvtag | TANGENT_TAG_FLAG)
+    params = dict(comm=comm, dest=dest, sendtag=sendtag | TANGENT_TAG_FLAG, recvtag=recvtag | TANGENT_TAG_FLAG,
+                  may_lack=0)
     if source == PROC_NULL:
         return sendrecv_p.bind(ts, tr, source=PROC_NULL, **params)  # the template's own tangent
 
@@ -300,7 +328,7 @@ def _send_jvp(primals, tangents, *, comm, dest, tag):
     # the transpose, which receives the cotangent into a buffer derived from it.
     sendrecv_p.bind(
         _core.instantiate(t), x, comm=comm, source=PROC_NULL, dest=dest,
-        sendtag=tag | TANGENT_TAG_FLAG, recvtag=tag | TANGENT_TAG_FLAG,
+        sendtag=tag | TANGENT_TAG_FLAG, recvtag=tag | TANGENT_TAG_FLAG, may_lack=0,
     )
     return [], []
 
@@ -434,13 +462,16 @@ _core.def_abstract_eval(
 _core.register_lowering(
     sendrecv_status_p,
     "distlinalg_sendrecv_status",
-    lambda *, comm, source, dest, sendtag, recvtag, dynamic: {
+    lambda *, comm, source, dest, sendtag, recvtag, dynamic, may_lack: {
         "comm": _core.comm_attr(comm),
         "source": np.int32(source),
         "dest": np.int32(dest),
         "sendtag": np.int32(sendtag),
         "recvtag": np.int32(recvtag),
         "dynamic": np.int32(dynamic),
+        # As sendrecv_p's; −1 when the caller gets the status (any shorter
+        # message is valid and counted).
+        "may_lack": np.int32(may_lack),
     },
 )
 
@@ -461,10 +492,10 @@ def _route_from_status(status: Any, route: Any, dynamic: int, flag: int) -> tupl
     return jnp.concatenate([recv_half, send_half]), _RECV_DYNAMIC | (dynamic & _SEND_DYNAMIC)
 
 
-def _status_jvp(primals, tangents, *, comm, source, dest, sendtag, recvtag, dynamic):
+def _status_jvp(primals, tangents, *, comm, source, dest, sendtag, recvtag, dynamic, may_lack):
     (s, r, route), (ts, tr, _) = primals, tangents
     params = dict(comm=comm, source=source, dest=dest, sendtag=sendtag, recvtag=recvtag, dynamic=dynamic)
-    y, delivered, status = flagged_status_p.bind(s, r, route, depth=1, **params)
+    y, delivered, status = flagged_status_p.bind(s, r, route, depth=1, any_shorter=may_lack < 0, **params)
     dy = _status_tangent_exchange(ts, tr, route, delivered[0], status, **params)
     return (y, status), (dy, np.zeros((3,), jax.dtypes.float0))
 
@@ -473,7 +504,7 @@ def _status_tangent_exchange(ts, tr, route, delivered, status, *, comm, source, 
     """`_tangent_exchange` of a status exchange: the tangent follows the primal's realised route."""
     ts, tr = _core.instantiate(ts), _core.instantiate(tr)
     tangent_route, tangent_dynamic = _route_from_status(status, route, dynamic, TANGENT_TAG_FLAG)
-    params = dict(comm=comm, dest=dest, sendtag=sendtag | TANGENT_TAG_FLAG)
+    params = dict(comm=comm, dest=dest, sendtag=sendtag | TANGENT_TAG_FLAG, may_lack=0)
     if source == PROC_NULL and not dynamic & _RECV_DYNAMIC:
         return sendrecv_status_p.bind(
             ts, tr, tangent_route, source=PROC_NULL, recvtag=0, dynamic=dynamic & _SEND_DYNAMIC, **params
@@ -493,7 +524,7 @@ def _status_tangent_exchange(ts, tr, route, delivered, status, *, comm, source, 
     return jax.lax.cond(delivered, received, source_constant, ts, tr, tangent_route)
 
 
-def _status_transpose(cts, s, r, route, *, comm, source, dest, sendtag, recvtag, dynamic):
+def _status_transpose(cts, s, r, route, *, comm, source, dest, sendtag, recvtag, dynamic, may_lack):
     ct = _core.instantiate(cts[0])
     if _core.is_undefined(route):
         raise TypeError("distlinalg.sendrecv: the route of an exchange is not differentiable")
@@ -516,6 +547,7 @@ def _status_transpose(cts, s, r, route, *, comm, source, dest, sendtag, recvtag,
         ct, buffer, back_route, comm=comm, source=dest, dest=source,
         # (recvtag is ANY_TAG only when source is PROC_NULL: nothing is sent back.)
         sendtag=max(recvtag, 0) | ADJOINT_TAG_FLAG, recvtag=sendtag | ADJOINT_TAG_FLAG, dynamic=back_dynamic,
+        may_lack=0,
     )
     ct_s = back if _core.is_undefined(s) else None
     ct_r = None
@@ -555,16 +587,18 @@ def _flagged_status_shapes(s, r, route, *, depth, **_):
     return [_core.shaped(r.shape, r.dtype), _core.shaped((depth,), np.bool_), _core.shaped((3,), np.int32)]
 
 
-def _flagged_status_exchange(s, r, route, *, depth, **params):
+def _flagged_status_exchange(s, r, route, *, depth, any_shorter, **params):
     flags = jnp.ones((depth,), s.dtype)
     sent = flags if params["dest"] == PROC_NULL and not params["dynamic"] & _SEND_DYNAMIC \
         else jnp.concatenate([jnp.ravel(s), flags])
     if params["source"] == PROC_NULL and not params["dynamic"] & _RECV_DYNAMIC:
-        _, status = sendrecv_status_p.bind(sent, jnp.zeros((depth,), r.dtype), route, **params)
+        _, status = sendrecv_status_p.bind(sent, jnp.zeros((depth,), r.dtype), route, may_lack=0, **params)
         return [r, jnp.zeros((depth,), np.bool_), status]
     n = math.prod(r.shape)
+    # A source that does not differentiate sends no flags.
     got, status = sendrecv_status_p.bind(
-        sent, jnp.concatenate([jnp.ravel(r), jnp.zeros((depth,), r.dtype)]), route, **params
+        sent, jnp.concatenate([jnp.ravel(r), jnp.zeros((depth,), r.dtype)]), route,
+        may_lack=-1 if any_shorter else depth, **params
     )
     delivered = got[n:] != 0
     count = jnp.where(status[2] >= 0, status[2] - jnp.sum(delivered, dtype=np.int32), status[2])
@@ -576,9 +610,9 @@ flagged_status_p = _core.new_expanded_primitive(
 )
 
 
-def _flagged_status_jvp(primals, tangents, *, depth, **params):
+def _flagged_status_jvp(primals, tangents, *, depth, any_shorter, **params):
     (s, r, route), (ts, tr, _) = primals, tangents
-    y, delivered, status = flagged_status_p.bind(s, r, route, depth=depth + 1, **params)
+    y, delivered, status = flagged_status_p.bind(s, r, route, depth=depth + 1, any_shorter=any_shorter, **params)
     dy = _status_tangent_exchange(ts, tr, route, delivered[depth], status, **params)
     zeros = np.zeros((depth,), jax.dtypes.float0), np.zeros((3,), jax.dtypes.float0)
     return (y, delivered[:depth], status), (dy, *zeros)
@@ -612,12 +646,13 @@ def _check_recvtag(tag, what, opname):
     return check_tag(tag, what, opname)
 
 
-def _status_exchanges(sends, templates, *, comm, source, dest, sendtag, recvtag):
+def _status_exchanges(sends, templates, *, comm, source, dest, sendtag, recvtag, exact):
     """Leaf-wise exchanges that report a status; one (source, tag) for all leaves.
 
     The first leaf's receive may use wildcards; the later leaves receive from
     the rank and tag it matched (dynamic route), so a pytree never mixes
-    messages of two senders.
+    messages of two senders. `exact`: each message must fill its template
+    (the caller gets no status); else a shorter one is valid and counted.
     """
     out, statuses = [], []
     route, dynamic, src, rtag = _static_route(), 0, source, recvtag
@@ -625,6 +660,7 @@ def _status_exchanges(sends, templates, *, comm, source, dest, sendtag, recvtag)
         y, status = _core.bind(
             sendrecv_status_p, s, r, route,
             comm=comm, source=src, dest=dest, sendtag=sendtag, recvtag=rtag, dynamic=dynamic,
+            may_lack=0 if exact else -1,
         )
         if not statuses and (source == ANY_SOURCE or recvtag == ANY_TAG):
             route = jnp.concatenate([status[:2], jnp.zeros((2,), np.int32)])
@@ -672,6 +708,11 @@ def sendrecv(
     Returns:
       What arrived (shaped like recv_template), or recv_template when source
       is PROC_NULL; with ``return_status=True`` the pair ``(received, status)``.
+      Each leaf's message must have the template's element count (a vmapped
+      exchange counts the whole batch): a shorter or longer message raises
+      on the receiving rank, with both counts. With ``return_status=True`` a
+      shorter message is valid: it fills the template's head, the rest keeps
+      the template's values, and ``status.count`` says how many arrived.
       A pytree arrives from one sender: with wildcards, its first leaf's
       message decides the source and tag of the others.
 
@@ -717,7 +758,7 @@ def sendrecv(
         check_dtype(sendbuf.dtype, "sendrecv")
         check_dtype(recv_template.dtype, "sendrecv")
         return _core.bind(sendrecv_p, sendbuf, recv_template, comm=comm, source=source, dest=dest,
-                          sendtag=sendtag, recvtag=recvtag)
+                          sendtag=sendtag, recvtag=recvtag, may_lack=0)
     send_tree = jax.tree_util.tree_structure(sendbuf)
     recv_tree = jax.tree_util.tree_structure(recv_template)
     if send_tree != recv_tree:
@@ -732,12 +773,14 @@ def sendrecv(
         check_dtype(leaf.dtype, "sendrecv")
     if return_status or source == ANY_SOURCE or recvtag == ANY_TAG:
         out, status = _status_exchanges(
-            sends, templates, comm=comm, source=source, dest=dest, sendtag=sendtag, recvtag=recvtag
+            sends, templates, comm=comm, source=source, dest=dest, sendtag=sendtag, recvtag=recvtag,
+            exact=not return_status,
         )
         received = jax.tree_util.tree_unflatten(recv_tree, out)
         return (received, status) if return_status else received
     out = [
-        _core.bind(sendrecv_p, s, r, comm=comm, source=source, dest=dest, sendtag=sendtag, recvtag=recvtag)
+        _core.bind(sendrecv_p, s, r, comm=comm, source=source, dest=dest, sendtag=sendtag, recvtag=recvtag,
+                   may_lack=0)
         for s, r in zip(sends, templates)
     ]
     return jax.tree_util.tree_unflatten(recv_tree, out)
@@ -763,7 +806,7 @@ def send(x: Any, dest: int, *, tag: int = 0, comm: Any = None) -> None:
     tangent follows as a second message; in reverse mode the cotangent comes
     back from `dest`. The receiving rank must differentiate its ``recv`` too
     (its template must depend on the differentiated inputs); otherwise its
-    receive fails with "Message truncated" (module docstring).
+    receive fails: the message is longer than its template (module docstring).
 
     Example:
       >>> import jax.numpy as jnp
@@ -807,7 +850,9 @@ def recv(
 
     Returns:
       What arrived, shaped like template; with ``return_status=True`` the
-      pair ``(received, status)``. A pytree arrives from one sender: with
+      pair ``(received, status)``. The message must have the template's
+      element count, as for :func:`sendrecv` (shorter ones only with
+      ``return_status=True``). A pytree arrives from one sender: with
       wildcards, its first leaf's message decides the source and tag of the
       others.
 
@@ -816,8 +861,8 @@ def recv(
     template that does too, e.g. ``recv(x * 0, source)`` with x a
     differentiated argument: the tangent then arrives as a second message and
     in reverse mode the cotangent goes back to `source`. With a constant
-    template this receive fails with "Message truncated" instead of
-    returning a wrong derivative. A differentiated recv whose sender does not
+    template this receive fails (the message is longer than the template)
+    instead of returning a wrong derivative. A differentiated recv whose sender does not
     differentiate gets a zero tangent (exact). From PROC_NULL the result is
     the template, with the template's tangent and cotangent. With
     ``ANY_SOURCE``/``ANY_TAG`` the tangent comes from the rank and tag the
@@ -854,7 +899,7 @@ def recv(
         # A receive with a status is an exchange that sends nothing.
         out, status = _status_exchanges(
             [jnp.zeros((0,), leaf.dtype) for leaf in leaves], leaves,
-            comm=comm, source=source, dest=PROC_NULL, sendtag=0, recvtag=tag,
+            comm=comm, source=source, dest=PROC_NULL, sendtag=0, recvtag=tag, exact=not return_status,
         )
         received = jax.tree_util.tree_unflatten(tree, out)
         return (received, status) if return_status else received

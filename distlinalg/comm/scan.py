@@ -106,7 +106,8 @@ def _exchange(arrays: Sequence[Any], identities: Sequence[Any], comm: Communicat
     """Send each array to dest, receive its counterpart from source (identity from PROC_NULL)."""
     return tuple(
         sendrecv_p.bind(
-            a, jnp.full(a.shape, e, a.dtype), comm=comm, source=source, dest=dest, sendtag=SCAN_TAG, recvtag=SCAN_TAG
+            a, jnp.full(a.shape, e, a.dtype), comm=comm, source=source, dest=dest, sendtag=SCAN_TAG, recvtag=SCAN_TAG,
+            may_lack=0,
         )
         for a, e in zip(arrays, identities)
     )
