@@ -376,7 +376,17 @@ std::map<int64_t, ActiveCall>& Active() {
   return active;
 }
 std::atomic<int64_t> calls_started{0};
+// Communicators that two threads used at once (guarded by ActiveMutex).
+std::unordered_map<int64_t, bool>& Misused() {
+  static std::unordered_map<int64_t, bool> misused;
+  return misused;
+}
 }  // namespace
+
+void MarkMisused(int64_t comm) {
+  std::lock_guard<std::mutex> lock(ActiveMutex());
+  Misused()[comm] = true;
+}
 
 CallRecord::CallRecord(const char* op, MPI_Comm comm, ffi::DataType dtype,
                        int64_t count, int64_t root) {
@@ -388,8 +398,17 @@ CallRecord::CallRecord(const char* op, MPI_Comm comm, ffi::DataType dtype,
   call_.count = count;
   call_.root = root;
   call_.start = std::chrono::steady_clock::now();
+  call_.thread = std::this_thread::get_id();
   {
     std::lock_guard<std::mutex> lock(ActiveMutex());
+    for (const auto& [seq, other] : Active()) {
+      if (other.comm == call_.comm && other.thread != call_.thread) other_ = other.op;
+    }
+    if (other_ != nullptr) {
+      Misused()[call_.comm] = true;
+    } else if (!Misused().empty() && Misused().count(call_.comm) != 0) {
+      misused_ = true;
+    }
     Active().emplace(call_.seq, call_);
   }
   if (GlobalSettings().debug_log) {
@@ -413,6 +432,25 @@ void CallRecord::Running(const Signature& sig, bool checked) {
   call_.checked = checked;
   std::memcpy(call_.words, sig.words(), sizeof call_.words);
   Update();
+}
+
+ffi::Error CallRecord::Alone() const {
+  if (misused_) {
+    return ffi::Error(
+        ffi::ErrorCode::kFailedPrecondition,
+        std::string("distlinalg: ") + call_.op + " on rank " + std::to_string(call_.rank) +
+            ": two threads used this communicator at once (an earlier call raised), so its "
+            "messages can no longer be trusted to pair up with the other ranks'. Give each thread "
+            "its own communicator (comm.Dup()).");
+  }
+  if (other_ == nullptr) return ffi::Error::Success();
+  return ffi::Error(
+      ffi::ErrorCode::kFailedPrecondition,
+      std::string("distlinalg: ") + call_.op + " on rank " + std::to_string(call_.rank) +
+          ": another thread is inside a call (" + other_ +
+          ") on the same communicator. MPI forbids concurrent operations on one communicator, "
+          "and the two threads' messages would pair up differently on different ranks (wrong "
+          "results). Give each thread its own communicator (comm.Dup()).");
 }
 
 void CallRecord::Update() {

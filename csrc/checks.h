@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "mpi_common.h"
@@ -94,6 +95,7 @@ struct ActiveCall {
   bool checked = false;  // this execution passed a signature check
   int64_t words[Signature::kWords] = {};
   std::chrono::steady_clock::time_point start;
+  std::thread::id thread;  // the thread that runs the handler
 };
 
 class CallRecord {
@@ -106,10 +108,19 @@ class CallRecord {
   // The call waits in its signature check / runs (after a check or not).
   void Checking(const Signature& sig);
   void Running(const Signature& sig, bool checked);
+  // An error if another thread was inside a call on the same communicator
+  // when this one started: MPI forbids concurrent collectives on one
+  // communicator, and two threads' messages pair up differently on
+  // different ranks (wrong results, silently). Within one program the
+  // token orders the calls, so they never overlap. Once that happened on a
+  // communicator, every later call on it is refused too (MarkMisused).
+  ffi::Error Alone() const;
 
  private:
   void Update();
   ActiveCall call_;
+  const char* other_ = nullptr;  // the other thread's call, if any
+  bool misused_ = false;         // two threads used this communicator before
 };
 
 // The signature check of a handler, if this site and run need one
@@ -118,6 +129,7 @@ class CallRecord {
 #define DL_CHECKED_CALL(record, SIGNATURE, CHECK) \
   DL_CHECKED_CALL_IF(true, record, SIGNATURE, CHECK)
 #define DL_CHECKED_CALL_IF(eligible, record, SIGNATURE, CHECK)     \
+  DL_CHECK((record).Alone());                                     \
   const Signature dl_sig_ = (SIGNATURE);                          \
   {                                                               \
     const bool dl_checked_ = (eligible) && ShouldCheck(site, run.run_id); \
@@ -144,6 +156,11 @@ inline bool PairCheckable(int64_t, int sendtag, int recvtag) {
 }
 
 std::vector<ActiveCall> CurrentCalls();
+
+// Two threads were found using communicator `comm` (a handle) at once: every
+// later call on it is an error on this rank, so that the threads still
+// running cannot go on pairing their messages with other ranks' wrong ones.
+void MarkMisused(int64_t comm);
 int64_t CallsStarted();
 
 // The service that answers other ranks' "what are you doing?" queries

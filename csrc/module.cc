@@ -208,6 +208,8 @@ NB_MODULE(_native, m) {
       "The distlinalg MPI calls in progress on this process: a list of dicts "
       "(op, dtype, count, root (peer for point-to-point; -1 none), comm, "
       "rank, seconds since the call started, seq).");
+  m.def("mark_misused", &dl::MarkMisused, nb::arg("comm"),
+        "Refuse every later call on communicator `comm` (two threads used it at once).");
   m.def("calls_started", &dl::CallsStarted,
         "How many distlinalg MPI calls this process has started.");
   m.def(

@@ -264,6 +264,7 @@ ffi::Error IsendImpl(ffi::Token, ffi::AnyBuffer x, ffi::AnyBuffer active,
   DL_CHECK(NewP2pPending("isend", "wait(isend)", x, comm_handle, dest, tag, &ti, &pending));
   const int64_t n = x.element_count();
   CallRecord record("isend", pending->comm, x.element_type(), n, dest);
+  DL_CHECK(record.Alone());
   if (ActiveFlag(active) == 0) return Posted(key, std::move(pending));
   const size_t bytes = x.size_bytes() + (flagged ? ti.itemsize : 0);
   pending->send.reset(new char[bytes > 0 ? bytes : 1]);
@@ -288,6 +289,7 @@ ffi::Error IrecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::AnyBuffer active,
   DL_CHECK(NewP2pPending("irecv", "wait(irecv)", templ, comm_handle, source, tag, &ti, &pending));
   const int64_t n = templ.element_count();
   CallRecord record("irecv", pending->comm, templ.element_type(), n, source);
+  DL_CHECK(record.Alone());
   pending->is_recv = true;
   pending->flagged = flagged != 0;
   pending->expected = n;

@@ -67,6 +67,12 @@ REBUILD_HINT = (
 BUILD_INFO: dict[str, Any] = dict(_native.build_info())
 
 
+def mark_misused(handle: int) -> None:
+    """Refuse every later call on the communicator `handle` on this rank: two threads used
+    it at once (comm/_core.py `_enter`; the handlers find the same for compiled programs)."""
+    _native.mark_misused(handle)
+
+
 def handle_of(comm: Any) -> int:
     """The MPI handle of an mpi4py object as a signed 64-bit integer.
 

@@ -194,27 +194,69 @@ def test_nan_propagates_in_min_max_for_every_float_dtype(comm, rank, size, dtype
         assert np.isnan(got[i]) == (i in expected_nan), (i, got)
 
 
-def test_eager_calls_from_two_threads_are_serialised(comm, size):
+def test_threads_with_communicators_of_their_own_run_at_once(comm, size):
+    """Two threads, each on its own duplicate of the communicator, eager and jitted: correct
+    sums and no deadlock (a process-wide lock on eager calls used to deadlock them)."""
     import threading
 
-    results = {}
+    comms = [comm.Dup(), comm.Dup()]
+    results, errors = {}, []
 
     def worker(k):
-        out = []
-        for _ in range(20):
-            out.append(float(allreduce(jnp.full(1, float(k)), comm=comm)[0]))
-        results[k] = out
+        try:
+            step = jax.jit(lambda x: allreduce(x, comm=comms[k]))
+            results[k] = [float(allreduce(jnp.full(1, k + 1.0), comm=comms[k])[0]) for _ in range(10)]
+            results[k] += [float(step(jnp.full(1, k + 1.0))[0]) for _ in range(10)]
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(f"{type(error).__name__}: {error}")
 
-    # Both threads make the same calls on every rank; their order may differ
-    # between ranks, and the check makes any interleaving that pairs
-    # different calls an error instead of a silent mix. Same values: any
-    # pairing is fine, and no call may be torn.
-    threads = [threading.Thread(target=worker, args=(1,)), threading.Thread(target=worker, args=(1,))]
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    assert all(v == size for out in results.values() for v in out)
+        t.join(60)
+    alive = [t.is_alive() for t in threads]
+    assert not any(alive) and not errors, (alive, errors)
+    assert results == {k: [(k + 1.0) * size] * 20 for k in (0, 1)}
+    for c in comms:
+        c.Free()
+
+
+def test_second_thread_on_one_communicator_is_refused(comm, rank, size):
+    """A thread calling an operation on a communicator that another thread is inside raises
+    (MPI forbids it, and the two threads' messages would pair up differently on other ranks);
+    every later call on that communicator raises too, on every rank that saw it."""
+    import threading
+
+    from distlinalg.comm import _core
+
+    dup = comm.Dup()
+    handle = _mpi.resolve_comm(dup)
+    caught = []
+
+    def second():
+        try:
+            allreduce(jnp.ones(2), comm=dup)
+        except Exception as error:  # noqa: BLE001 - the message is what is checked
+            caught.append(str(error))
+
+    key = _core._enter(handle)  # this thread is inside a call on `dup`
+    try:
+        thread = threading.Thread(target=second)
+        thread.start()
+        thread.join(30)
+    finally:
+        _core._leave(key)
+    if size == 1:  # one rank: computed locally, nothing can pair up wrongly
+        assert caught == []
+        np.testing.assert_allclose(allreduce(jnp.ones(2), comm=dup), np.ones(2))
+    else:
+        assert len(caught) == 1 and "another thread is inside a call on the same communicator" in caught[0], caught
+        assert "comm.Dup()" in caught[0]
+        later = failure_of(lambda: allreduce(jnp.ones(2), comm=dup), "two threads used this communicator at once")
+        assert_no_failures(later, comm)
+    np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [size])  # other communicators are unaffected
+    dup.Free()
 
 
 # ---------------------------------------------------------------------------

@@ -551,8 +551,8 @@ def test_eager_protocol_messages_complete_at_the_call(comm, rank, size, monkeypa
     finished = []
     run_eager = _core.run_eager
 
-    def watched(program, args):
-        outs = run_eager(program, args)
+    def watched(program, args, comm=None):
+        outs = run_eager(program, args, comm)
         finished.append(all(out.is_ready() for out in outs))
         return outs
 

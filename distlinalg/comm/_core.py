@@ -48,7 +48,10 @@ _compat.register_ordered_effect(MPIEffect)
 # of one device in dispatch order, and the custom call is marked as having a
 # side effect so XLA never drops it.
 _eager_twins: dict[Primitive, Primitive] = {}
-_eager_lock = threading.RLock()
+# The thread inside an eager call on each communicator (by handle) and how
+# deeply (composite calls nest): a second thread is refused (`_enter`).
+_eager_users: dict[int, tuple[int, int]] = {}
+_eager_users_lock = threading.Lock()
 # The compiled program of an eager call, found with one dict lookup (the
 # eager path's own cost is ~2x an MPI message of a few KiB; issue 18):
 # (twin, *parameters) in `eager_impl`; (primitive, communicator, dtype,
@@ -72,7 +75,7 @@ def new_primitive(name: str, *, multiple_results: bool = False) -> Primitive:
         program = _eager_programs.get(key)
         if program is None:
             program = _eager_programs[key] = _compiled(twin, tuple(sorted(params.items())))
-        outs = run_eager(program, args)
+        outs = run_eager(program, args, params.get("comm"))
         if not multiple_results:
             return outs[0]
         return outs[:-1] if _has_dummy_result(prim) else outs
@@ -81,18 +84,58 @@ def new_primitive(name: str, *, multiple_results: bool = False) -> Primitive:
     return prim
 
 
-def run_eager(program: Callable[..., Any], args: Sequence[Any]) -> Any:
+def run_eager(program: Callable[..., Any], args: Sequence[Any], comm: Communicator | None = None) -> Any:
     """Run an eager operation's compiled `program` on `args` to completion.
 
-    One eager operation at a time per process: two Python threads calling
-    operations at once would otherwise hand their collectives to MPI in an
-    order that differs between ranks.
+    Two Python threads using one communicator are an error (`_enter`): even
+    taking turns, their collectives would reach MPI in an order that differs
+    between ranks and pair up wrongly. Threads on communicators of their own
+    run at once (MPI_THREAD_MULTIPLE; at lower thread levels the handlers
+    take turns). A process-wide lock here made them deadlock: each rank's
+    lock held by the thread whose partner waited for the other lock.
     """
-    with _eager_lock:
+    key = _enter(comm)
+    try:
         outs = program(*args)
         for out in outs:  # (not jax.block_until_ready: its pytree walk costs µs here)
             out.block_until_ready()
+    finally:
+        _leave(key)
     return outs
+
+
+def _enter(comm: Communicator | None) -> int | None:
+    """Mark this thread as inside an eager call on `comm`; raise if another thread is.
+
+    The handlers make the same check for calls of compiled programs
+    (csrc/checks.cc, CallRecord::Alone), which this lock does not serialise.
+    """
+    if comm is None or comm.size == 1:  # one rank: computed locally, nothing to pair up
+        return None
+    key, me = int(comm.handle), threading.get_ident()
+    with _eager_users_lock:
+        owner, depth = _eager_users.get(key, (me, 0))
+        if owner != me:
+            _mpi.mark_misused(key)  # the other thread's later calls on it fail too
+            raise RuntimeError(
+                f"distlinalg: rank {comm.rank}: another thread is inside a call on the same communicator. MPI "
+                "forbids concurrent operations on one communicator, and the two threads' messages would pair "
+                "up differently on different ranks (wrong results). Give each thread its own communicator "
+                "(comm.Dup())."
+            )
+        _eager_users[key] = (me, depth + 1)
+    return key
+
+
+def _leave(key: int | None) -> None:
+    if key is None:
+        return
+    with _eager_users_lock:
+        owner, depth = _eager_users[key]
+        if depth == 1:
+            del _eager_users[key]
+        else:
+            _eager_users[key] = (owner, depth - 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,7 +153,7 @@ def compiled_call(prim: Primitive, args: Sequence[Any], params: dict[str, Any]) 
     results are read, after this rank had posted its next message, which
     its partner, having raised, never takes (a hang).
     """
-    return run_eager(_compiled(prim, tuple(sorted(params.items()))), args)
+    return run_eager(_compiled(prim, tuple(sorted(params.items()))), args, params.get("comm"))
 
 
 def new_expanded_primitive(
@@ -410,7 +453,7 @@ def apply_collective(
             program = _eager_programs[key] = _compiled(_eager_twins[prim], tuple(sorted({**params, "comm": comm}.items())))
         if one_block_per_rank:
             check_leading_dim(x, comm, opname)
-        return run_eager(program, (truth_values(x, op),))[0]
+        return run_eager(program, (truth_values(x, op),), comm)[0]
     if isinstance(x, jax.Array):
         leaves, treedef = [x], None
     else:

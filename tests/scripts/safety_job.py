@@ -7,7 +7,9 @@ recv (rank 1 receives a message nobody sends), barrier (the last rank never
 reaches the barrier), loop (a long jitted loop of allreduces, to be
 interrupted), sleep (a long time.sleep, to be interrupted), deadlock and
 deadlock-jit (ranks 0 and 1 both receive from each other first, eagerly or
-in a jitted program), ok (a clean run).
+in a jitted program), threads and threads-jit (two threads call 50 allreduces
+each on one communicator, eagerly, or one of them in jitted programs; each
+rank prints what its threads saw and exits), ok (a clean run).
 Every rank prints "ready" once it has made its first collective call.
 SAFETY_THREAD_LEVEL=serialized runs MPI at that thread level.
 """
@@ -77,6 +79,37 @@ def compile_allreduce_loop():
     return long_allreduce_loop
 
 
+def two_threads_on_one_communicator(compiled: bool) -> None:
+    """Two threads, one communicator: each sums its own value 50 times. Prints, per rank, the
+    errors the threads raised and how many results were wrong, then ends the process (a thread
+    whose partner raised may wait for ever)."""
+    import threading
+
+    size = dl.size()
+    errors, wrong = [], [0]
+    step = jax.jit(lambda x: C.allreduce(x))
+
+    def worker(k: int, jitted: bool) -> None:
+        try:
+            for _ in range(50):
+                x = jnp.full(4, float(k))
+                y = step(x) if jitted else C.allreduce(x)
+                if not bool((y == k * size).all()):
+                    wrong[0] += 1
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(str(error).splitlines()[0])
+
+    threads = [threading.Thread(target=worker, args=(k, compiled and k == 2), daemon=True) for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    for message in errors:
+        print(f"rank {dl.rank()} thread error: {message}", flush=True)
+    print(f"rank {dl.rank()} wrong {wrong[0]} errors {len(errors)}", flush=True)
+    os._exit(3 if errors else 0)
+
+
 def main(mode: str) -> None:
     C.allreduce(jnp.ones(1)).block_until_ready()  # every rank is up and talking
     run = {
@@ -87,6 +120,8 @@ def main(mode: str) -> None:
         "barrier": barrier_without_the_last_rank,
         "deadlock": lambda: receive_from_each_other_first(False),
         "deadlock-jit": lambda: receive_from_each_other_first(True),
+        "threads": lambda: two_threads_on_one_communicator(False),
+        "threads-jit": lambda: two_threads_on_one_communicator(True),
         "loop": None,
         "ok": lambda: None,
     }[mode] or compile_allreduce_loop()
