@@ -5,8 +5,10 @@
 Small-message (8 B) allreduce, per call, in three settings of
 distlinalg.comm.configure(check=...): inside one jitted fori_loop (the
 steady state of compiled code), one jitted call per allreduce, and eager;
-against mpi4py's Allreduce on numpy in the same run. Prints medians over
-repeats and the ratios to mpi4py and to check="off".
+against mpi4py's Allreduce on numpy in the same run. Then the same three
+with the stall report off and on (configure(stall=0 / 30), default checks):
+the monitor thread's cost in steady state. Prints medians over repeats and
+the ratios to mpi4py and to check="off" (stall off).
 """
 
 from __future__ import annotations
@@ -63,13 +65,26 @@ def main() -> None:
             comm.Barrier()
             results.setdefault(f"eager, {mode}", []).append(
                 per_call(lambda: [allreduce(x) for _ in range(args.calls)], args.calls))
-    configure(check="first-run")
+        configure(check="first-run")
+        for stall in (0, 30):
+            configure(stall=stall)
+            label = "stall off" if stall == 0 else f"stall {stall} s"
+            comm.Barrier()
+            results.setdefault(f"in-jit loop, {label}", []).append(per_call(lambda: loop(x), args.loop))
+            comm.Barrier()
+            results.setdefault(f"jit call, {label}", []).append(
+                per_call(lambda: [single(x) for _ in range(args.calls)], args.calls))
+            comm.Barrier()
+            results.setdefault(f"eager, {label}", []).append(
+                per_call(lambda: [allreduce(x) for _ in range(args.calls)], args.calls))
+    configure(check="first-run", stall=30)
     if dl.rank() == 0:
         peer = np.median(results["mpi4py"])
         print(f"8-byte allreduce on {dl.size()} ranks, median of {args.repeats} (µs per call)")
         print(f"{'case':32s} {'µs':>9s} {'/ mpi4py':>9s} {'/ off':>7s}")
         for name, values in results.items():
-            base = name.rsplit(", ", 1)[0] + ", off"
+            case, setting = name.rsplit(", ", 1) if ", " in name else (name, "")
+            base = case + (", stall off" if setting.startswith("stall") else ", off")
             ratio_off = np.median(values) / np.median(results[base]) if base in results else float("nan")
             print(f"{name:32s} {np.median(values):9.2f} {np.median(values) / peer:9.2f} {ratio_off:7.2f}")
 
