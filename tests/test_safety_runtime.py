@@ -224,21 +224,21 @@ def job():
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("mode", ["threads", "threads-jit"])
-def test_two_threads_on_one_communicator_raise_instead_of_mixing_messages(job, mode):
+@pytest.mark.parametrize(("mode", "ranks"), [("threads", 2), ("threads-jit", 3)])
+def test_two_threads_on_one_communicator_raise_instead_of_mixing_messages(job, mode, ranks):
     """Two threads call 50 allreduces each on one communicator (both eagerly, or one in jitted
     programs), each summing its own value. They used to get each other's messages (8 and 47
     wrong results of 50, silently); now a thread that enters while the other is inside raises
-    a clear error, and the other's later calls raise too: at most the one call that was in
+    a clear error, and the other's later calls raise too: at most the call each thread had in
     flight can have paired wrongly."""
-    j = job(mode, 2)
+    j = job(mode, ranks)
     j.wait_ready()
     code = j.wait(60)
     out = j.output
     assert code != 0, out
     assert "another thread is inside a call" in out and "comm.Dup()" in out, out
     wrong = [int(n) for n in re.findall(r"rank \d wrong (\d+)", out)]
-    assert wrong and max(wrong) <= 1, out
+    assert wrong and max(wrong) <= 2, out  # per rank, both threads
 
 
 @pytest.mark.serial
