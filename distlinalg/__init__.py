@@ -30,6 +30,7 @@ from . import _safety  # a failing, stuck or interrupted rank ends the whole job
 _safety.install()
 from . import ad, comm, operators, solvers
 from .comm import rank, size
-from .solvers import bicgstab, cg, gmres, minres, natural_gradient
+from .solvers import bicgstab, cg, eigsh, gmres, minres, natural_gradient
 
-__all__ = ["__version__", "ad", "comm", "operators", "solvers", "cg", "minres", "gmres", "bicgstab", "natural_gradient", "rank", "size"]
+__all__ = ["__version__", "ad", "comm", "operators", "solvers", "cg", "minres", "gmres", "bicgstab", "eigsh",
+           "natural_gradient", "rank", "size"]

@@ -9,14 +9,18 @@ loops are steered only by values identical on every rank; inputs that differ
 between ranks stop every rank with ``Reason.DIVERGED_INCONSISTENT_RANKS``,
 invalid arguments raise a ValueError on every rank. ``natural_gradient``
 solves the SR / MinSR system of a sharded model in parameter or sample space.
+``eigsh`` finds a few eigenpairs of a Hermitian operator (thick-restart
+Lanczos), differentiable in both modes.
 """
 
 from ._common import Reason, SolverInfo
 from .bicgstab import bicgstab
 from .cg import cg
+from .eigsh import EigshInfo, eigsh
 from .gmres import gmres
 from .minres import minres
 from .natural_gradient import natural_gradient
 from .preconditioners import jacobi
 
-__all__ = ["cg", "minres", "gmres", "bicgstab", "natural_gradient", "jacobi", "Reason", "SolverInfo"]
+__all__ = ["cg", "minres", "gmres", "bicgstab", "eigsh", "natural_gradient", "jacobi", "Reason", "SolverInfo",
+           "EigshInfo"]
