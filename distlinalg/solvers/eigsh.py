@@ -9,6 +9,12 @@ allreduces (sharded layout): the projections Vᴴ w, their second pass
 (classical Gram–Schmidt twice) and ‖w‖. The replicated layout computes the
 same quantities locally and agrees on the stop once per restart cycle.
 
+A single start vector has one component in each eigenspace, so it finds one
+copy of a multiple eigenvalue. After convergence, probes from fresh start
+vectors search A deflated by the found vectors for a more wanted eigenvalue
+(another copy) and swap it in, until none is found (at most k probes, each a
+Lanczos run for one pair).
+
 Derivatives (custom JVP, so reverse mode by transposition):
 
 * eigenvalues by Hellmann–Feynman: λ̇ᵢ = xᵢᴴ Ȧ xᵢ;
@@ -56,6 +62,13 @@ class EigshInfo(NamedTuple):
       converged: whether every wanted pair met the tolerance.
       reason: ``CONVERGED`` (1) or ``MAX_RESTARTS`` (-3), in the style of the
         solvers' :class:`~distlinalg.solvers.Reason`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg.solvers import eigsh
+      >>> w, V, info = eigsh(jnp.diag(jnp.arange(1.0, 41.0)), k=2, maxiter=1)
+      >>> int(info.restarts) >= 1, info.residual_norms.shape, int(info.reason) in (1, -3)
+      (True, (2,), True)
     """
 
     iterations: Any
@@ -95,11 +108,12 @@ def eigsh(
         required for a callable A without an ``input_structure``, to give
         the shape).
       tol: relative accuracy: a pair is converged when ‖A x − θ x‖ ≤
-        max(tol·|θ|, 64 ε ‖A‖), ‖A‖ estimated by the largest Ritz value
+        max(tol·abs(θ), 64 ε ‖A‖), ‖A‖ estimated by the largest Ritz value
         (default tol: the dtype's ε, as scipy's eigsh).
       maxiter: restart cycles (static; default max(100, 10·n/ncv)).
       ncv: basis size (static; default min(n, max(2k + 1, 20))).
-      method: ``"lanczos"`` (LOBPCG: issue 45, not yet).
+      method: ``"lanczos"``, the one method so far (LOBPCG with a
+        preconditioner is planned: issue 45).
       M: not supported by the Lanczos method (a preconditioner is LOBPCG's).
       layout, comm: as for :func:`distlinalg.solvers.cg`.
 
@@ -237,8 +251,7 @@ def _norm(red: Reductions, w: Any) -> Any:
 
 def _ordering(theta: Any, which: str) -> Any:
     """Indices of the Ritz values, most wanted first."""
-    key = {"SA": theta, "LA": -theta, "SM": jnp.abs(theta), "LM": -jnp.abs(theta)}[which]
-    return jnp.argsort(key, stable=True)
+    return jnp.argsort(_wanted_key(theta, which), stable=True)
 
 
 # ---------------------------------------------------------------------------
@@ -249,7 +262,86 @@ def _eigsh(params: _Params, matvec: Callable[..., Any], start: Any, *consts: Any
 
 
 def _lanczos(params: _Params, mv: Callable[[Any], Any], start: Any) -> tuple[Any, Any, EigshInfo]:
-    """Thick-restart Lanczos (Krylov–Schur form) on `mv`: the k wanted eigenpairs."""
+    """The k wanted eigenpairs: Krylov–Schur, then probes for missed copies of multiple eigenvalues.
+
+    A single start vector has one component in each eigenspace, so Lanczos in
+    exact arithmetic sees one copy of a multiple eigenvalue (with full
+    reorthogonalisation, rounding does not bring the others in either). So
+    after convergence, the most wanted eigenpair of A deflated by the found
+    vectors (P A P + σ X Xᴴ, σ less wanted than the k-th value) is computed
+    from a fresh start vector; if it is more wanted than the k-th, it takes
+    its place and the search repeats (at most k times).
+    """
+    k, which = params.k, params.which
+    red = Reductions(params.layout, params.comm)
+    real = jnp.finfo(jnp.result_type(*jax.tree_util.tree_leaves(start))).dtype
+    w, X, restarts, steps, count, scale = _krylov_schur(params, mv, start)
+
+    def deflated(X: Any, sigma: Any) -> Callable[[Any], Any]:
+        def apply(v: Any) -> Any:
+            coefficients = [_dot(red, x, v) for x in _rows(X, k)]
+            outside = v
+            for x, c in zip(_rows(X, k), coefficients):
+                outside = jax.tree_util.tree_map(lambda a, b: a - c.astype(a.dtype) * b, outside, x)
+            av = mv(outside)
+            inside = jax.tree_util.tree_map(jnp.zeros_like, v)
+            for x, c in zip(_rows(X, k), coefficients):
+                av = jax.tree_util.tree_map(lambda a, b: a - _dot(red, x, av).astype(a.dtype) * b, av, x)
+                inside = jax.tree_util.tree_map(lambda a, b: a + (sigma * c).astype(a.dtype) * b, inside, x)
+            return jax.tree_util.tree_map(jnp.add, av, inside)
+        return apply
+
+    def probing(state: tuple[Any, ...]) -> Any:
+        return state[6] & (state[5] < k)
+
+    def probe(state: tuple[Any, ...]) -> tuple[Any, ...]:
+        w, X, restarts, steps, count, probes, _ = state
+        last = w[k - 1]
+        spread = jnp.maximum(jnp.maximum(scale, jnp.abs(last)), 1)
+        sigma = {"SA": last + spread, "LA": last - spread, "SM": jnp.abs(last) + spread,
+                 "LM": jnp.zeros_like(last)}[which]
+        fresh = _start_vector(start, None, start_dtype(start), params.comm, params.layout, salt=probes + 1)
+        mu, y, r, s, c, _ = _krylov_schur(params._replace(k=1), deflated(X, sigma), fresh)
+        slack = 64 * jnp.finfo(real).eps * scale + params.tol * jnp.abs(last)
+        found = _wanted_key(mu[0], which) < _wanted_key(last, which) - slack
+        if params.layout == "replicated":  # one decision on every rank
+            found = allreduce(found.astype(jnp.int32), "min", comm=params.comm) > 0
+        w = jnp.where(found, w.at[k - 1].set(mu[0]), w)
+        X = jax.tree_util.tree_map(lambda Xl, yl: jnp.where(found, Xl.at[k - 1].set(yl[0]), Xl), X, y)
+        order = _ordering(w, which)
+        X = jax.tree_util.tree_map(lambda Xl: Xl[order], X)
+        count = jnp.where(found & (c < 1), count - 1, count)  # the new pair's own convergence
+        return w[order], X, restarts + r, steps + s, count, probes + 1, found
+
+    state = (w, X, restarts, steps, count, jnp.int32(0), jnp.bool_(True))
+    w, X, restarts, steps, count, _, _ = jax.lax.while_loop(probing, probe, state)
+    X, w, residual_norms = _residuals(red, mv, X, w.astype(real), k)
+    order = _ordering(w, which)
+    w, residual_norms = w[order], residual_norms[order]
+    X = jax.tree_util.tree_map(lambda Xl: Xl[order], X)
+    converged = count >= k
+    info = EigshInfo(steps, restarts, residual_norms, converged,
+                     jnp.where(converged, CONVERGED, MAX_RESTARTS).astype(jnp.int32))
+    return w, X, info
+
+
+def start_dtype(start: Any) -> Any:
+    return jnp.result_type(*jax.tree_util.tree_leaves(start))
+
+
+def _rows(X: Any, k: int) -> list[Any]:
+    """The k vectors of a stacked pytree."""
+    return [jax.tree_util.tree_map(lambda Xl: Xl[i], X) for i in range(k)]
+
+
+def _wanted_key(theta: Any, which: str) -> Any:
+    """Smaller is more wanted."""
+    return {"SA": theta, "LA": -theta, "SM": jnp.abs(theta), "LM": -jnp.abs(theta)}[which]
+
+
+def _krylov_schur(params: _Params, mv: Callable[[Any], Any], start: Any) -> tuple[Any, ...]:
+    """Thick-restart Lanczos (Krylov–Schur form) on `mv`: (θ (k,), X (k, ...), restarts,
+    steps, converged count, ‖A‖ estimate), the k wanted Ritz pairs in wanted order."""
     k, m, which = params.k, params.ncv, params.which
     red = Reductions(params.layout, params.comm)
     leaves = jax.tree_util.tree_leaves(start)
@@ -329,14 +421,7 @@ def _lanczos(params: _Params, mv: Callable[[Any], Any], start: Any) -> tuple[Any
     # After the last cycle V[:k] holds the wanted Ritz vectors and diag(H) their values.
     theta = jnp.real(jnp.diagonal(H)[:k]).astype(real)
     X = jax.tree_util.tree_map(lambda Vl: Vl[:k], V)
-    X, w, residual_norms = _residuals(red, mv, X, theta, k)
-    order = _ordering(w, which)
-    w, residual_norms = w[order], residual_norms[order]
-    X = jax.tree_util.tree_map(lambda Xl: Xl[order], X)
-    converged = count >= k
-    info = EigshInfo(steps, restarts, residual_norms, converged,
-                     jnp.where(converged, CONVERGED, MAX_RESTARTS).astype(jnp.int32))
-    return w, X, info
+    return theta, X, restarts, steps, count, jnp.max(jnp.abs(jnp.diagonal(H)[:keep])).astype(real)
 
 
 def _residuals(red: Reductions, mv: Callable[[Any], Any], X: Any, theta: Any, k: int) -> tuple[Any, Any, Any]:
