@@ -48,6 +48,18 @@ def main() -> None:
             comm.Allreduce(buf, out)
 
     results: dict[str, list[float]] = {}
+
+    def measure(setting: str) -> None:
+        """The three cases under the current configuration, recorded as '<case>, <setting>'."""
+        cases = {
+            "in-jit loop": (lambda: loop(x), args.loop),
+            "jit call": (lambda: [single(x) for _ in range(args.calls)], args.calls),
+            "eager": (lambda: [allreduce(x) for _ in range(args.calls)], args.calls),
+        }
+        for case, (fn, calls) in cases.items():
+            comm.Barrier()
+            results.setdefault(f"{case}, {setting}", []).append(per_call(fn, calls))
+
     for _ in range(args.repeats):
         comm.Barrier()
         t = time.perf_counter()
@@ -57,26 +69,11 @@ def main() -> None:
             configure(check=mode)
             loop(x).block_until_ready()
             single(x).block_until_ready()  # compiled and checked once
-            comm.Barrier()
-            results.setdefault(f"in-jit loop, {mode}", []).append(per_call(lambda: loop(x), args.loop))
-            comm.Barrier()
-            results.setdefault(f"jit call, {mode}", []).append(
-                per_call(lambda: [single(x) for _ in range(args.calls)], args.calls))
-            comm.Barrier()
-            results.setdefault(f"eager, {mode}", []).append(
-                per_call(lambda: [allreduce(x) for _ in range(args.calls)], args.calls))
+            measure(mode)
         configure(check="first-run")
         for stall in (0, 30):
             configure(stall=stall)
-            label = "stall off" if stall == 0 else f"stall {stall} s"
-            comm.Barrier()
-            results.setdefault(f"in-jit loop, {label}", []).append(per_call(lambda: loop(x), args.loop))
-            comm.Barrier()
-            results.setdefault(f"jit call, {label}", []).append(
-                per_call(lambda: [single(x) for _ in range(args.calls)], args.calls))
-            comm.Barrier()
-            results.setdefault(f"eager, {label}", []).append(
-                per_call(lambda: [allreduce(x) for _ in range(args.calls)], args.calls))
+            measure("stall off" if stall == 0 else f"stall {stall} s")
     configure(check="first-run", stall=30)
     if dl.rank() == 0:
         peer = np.median(results["mpi4py"])
