@@ -31,7 +31,6 @@ where the eigenvalue is simple (docs/eigensolvers.md).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -278,17 +277,13 @@ def _lanczos(params: _Params, mv: Callable[[Any], Any], start: Any) -> tuple[Any
     w, X, restarts, steps, count, scale = _krylov_schur(params, mv, start)
 
     def deflated(X: Any, sigma: Any) -> Callable[[Any], Any]:
+        """v ↦ P A P v + σ X Xᴴ v, P = I − X Xᴴ: two allreduces besides A's (sharded)."""
         def apply(v: Any) -> Any:
-            coefficients = [_dot(red, x, v) for x in _rows(X, k)]
-            outside = v
-            for x, c in zip(_rows(X, k), coefficients):
-                outside = jax.tree_util.tree_map(lambda a, b: a - c.astype(a.dtype) * b, outside, x)
+            c = _basis_dots(red, X, v)                                   # Xᴴ v
+            outside = jax.tree_util.tree_map(jnp.subtract, v, _combine(c, X))
             av = mv(outside)
-            inside = jax.tree_util.tree_map(jnp.zeros_like, v)
-            for x, c in zip(_rows(X, k), coefficients):
-                av = jax.tree_util.tree_map(lambda a, b: a - _dot(red, x, av).astype(a.dtype) * b, av, x)
-                inside = jax.tree_util.tree_map(lambda a, b: a + (sigma * c).astype(a.dtype) * b, inside, x)
-            return jax.tree_util.tree_map(jnp.add, av, inside)
+            av = jax.tree_util.tree_map(jnp.subtract, av, _combine(_basis_dots(red, X, av), X))
+            return jax.tree_util.tree_map(jnp.add, av, _combine(sigma * c, X))
         return apply
 
     def probing(state: tuple[Any, ...]) -> Any:
@@ -300,7 +295,7 @@ def _lanczos(params: _Params, mv: Callable[[Any], Any], start: Any) -> tuple[Any
         spread = jnp.maximum(jnp.maximum(scale, jnp.abs(last)), 1)
         sigma = {"SA": last + spread, "LA": last - spread, "SM": jnp.abs(last) + spread,
                  "LM": jnp.zeros_like(last)}[which]
-        fresh = _start_vector(start, None, start_dtype(start), params.comm, params.layout, salt=probes + 1)
+        fresh = _start_vector(start, None, _start_dtype(start), params.comm, params.layout, salt=probes + 1)
         mu, y, r, s, c, _ = _krylov_schur(params._replace(k=1), deflated(X, sigma), fresh)
         slack = 64 * jnp.finfo(real).eps * scale + params.tol * jnp.abs(last)
         found = _wanted_key(mu[0], which) < _wanted_key(last, which) - slack
@@ -325,13 +320,9 @@ def _lanczos(params: _Params, mv: Callable[[Any], Any], start: Any) -> tuple[Any
     return w, X, info
 
 
-def start_dtype(start: Any) -> Any:
+def _start_dtype(start: Any) -> Any:
+    """The dtype of the vectors (of `start`'s leaves)."""
     return jnp.result_type(*jax.tree_util.tree_leaves(start))
-
-
-def _rows(X: Any, k: int) -> list[Any]:
-    """The k vectors of a stacked pytree."""
-    return [jax.tree_util.tree_map(lambda Xl: Xl[i], X) for i in range(k)]
 
 
 def _wanted_key(theta: Any, which: str) -> Any:
