@@ -244,8 +244,8 @@ def _combine(coefficients: Any, V: Any) -> Any:
 
 
 def _norm(red: Reductions, w: Any) -> Any:
-    local = sum(jnp.sum(jnp.real(jnp.conj(leaf) * leaf)) for leaf in jax.tree_util.tree_leaves(w))
-    return jnp.sqrt(red.sum(local))
+    """‖w‖ over all ranks."""
+    return jnp.sqrt(jnp.real(red.dots([(w, w)])[0]))
 
 
 def _ordering(theta: Any, which: str) -> Any:
@@ -421,17 +421,11 @@ def _residuals(red: Reductions, mv: Callable[[Any], Any], X: Any, theta: Any, k:
     for i in range(k):
         x = jax.tree_util.tree_map(lambda Xl: Xl[i], X)
         ax = mv(x)
-        q = jnp.real(_dot(red, x, ax))
+        q = jnp.real(red.dots([(x, ax)])[0])
         r = jax.tree_util.tree_map(lambda a, b: a - q.astype(b.dtype) * b, ax, x)
         quotients.append(q)
         norms.append(_norm(red, r))
     return X, jnp.stack(quotients).astype(theta.dtype), jnp.stack(norms).astype(theta.dtype)
-
-
-def _dot(red: Reductions, x: Any, y: Any) -> Any:
-    """xᴴ y over all ranks."""
-    local = sum(jnp.vdot(a, b) for a, b in zip(jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y)))
-    return red.sum(local)
 
 
 # ---------------------------------------------------------------------------
@@ -452,15 +446,13 @@ def _eigsh_jvp(params: _Params, matvec: Callable[..., Any], primals: tuple, tang
                        tuple(jax.tree_util.tree_map(_instantiate, consts_dot, consts)))[1]
 
     adx = [a_dot(x) for x in xs]
-    coupling = jnp.stack([jnp.stack([_dot(red, xj, ai) for xj in xs]) for ai in adx])  # [i, j] = xⱼᴴ Ȧ xᵢ
+    # [i, j] = xⱼᴴ Ȧ xᵢ, in one allreduce.
+    coupling = jnp.stack(red.dots([(xj, ai) for ai in adx for xj in xs])).reshape(k, k)
     w_dot = jnp.real(jnp.diagonal(coupling)).astype(w.dtype)                             # Hellmann–Feynman
 
     def project_out(v: Any) -> Any:
-        """(I − X Xᴴ) v: the complement of the computed eigenvectors."""
-        for x in xs:
-            c = _dot(red, x, v)
-            v = jax.tree_util.tree_map(lambda a, b: a - c.astype(a.dtype) * b, v, x)
-        return v
+        """(I − X Xᴴ) v: the complement of the computed eigenvectors (one allreduce)."""
+        return jax.tree_util.tree_map(jnp.subtract, v, _combine(_basis_dots(red, X, v), X))
 
     tangents_out = []
     for i in range(k):
