@@ -292,6 +292,26 @@ def test_example_script_on_two_ranks():
     assert float(match.group(1)) < 3e-3, lines[-1]  # 25 steps from a random RBM: about 1e-3
 
 
+@pytest.mark.serial
+def test_tfim_spectrum_example_against_lanczos_ed():
+    """examples/eigsh_tfim/tfim_spectrum.py at L = 12 on 3 ranks: distlinalg.eigsh on the rows
+    split over the ranks against NetKet's lanczos_ed, and dE0/dh by AD against a central difference."""
+    script = ROOT / "examples" / "eigsh_tfim" / "tfim_spectrum.py"
+    cmd = find_mpiexec() + ["-n", "3", sys.executable, str(script), "12"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"tfim_spectrum.py still running after {err.timeout} s: {err.output}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert "TFIM L=12 (h=1.0, J=1.0), 4096 rows over 3 rank(s)" in proc.stdout, proc.stdout
+    assert "converged True" in proc.stdout, proc.stdout
+    energies = re.search(r"largest relative difference (\S+)", proc.stdout)
+    assert energies and float(energies.group(1)) < 1e-10, proc.stdout
+    derivative = re.search(r"dE0/dh: AD (\S+) .* relative difference (\S+)$", proc.stdout.strip().splitlines()[-1])
+    assert derivative and float(derivative.group(2)) < 1e-6, proc.stdout
+
+
 # -- NetKet's own SR paths on a dnk.MCState ------------------------------------------------------
 QGT = nk.optimizer.qgt
 SOLVERS = {
