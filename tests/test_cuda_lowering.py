@@ -304,6 +304,25 @@ def test_solvers_at_real_sizes_lower_and_compile_for_cuda(solver, kwargs, rank, 
     lower_for_cuda(jax.grad(lambda b: dlc.allreduce(jnp.sum(solve(A, b, **kwargs)[0] ** 2))), b)
 
 
+@pytest.mark.parametrize("method", ["lanczos", "lobpcg"])
+def test_eigsh_lowers_and_compiles_for_cuda(method, rank, size):
+    """eigsh on the sharded Laplacian of 160² unknowns, jitted, and the derivative of its
+    smallest eigenvalue with respect to a scale of the operator in both modes (the MINRES
+    complement solves of the eigenvector tangents included): Lanczos' basis updates, LOBPCG's
+    vmapped block matvec and the small eigh of both go through XLA's GPU compiler."""
+    A = laplacian_2d(160)
+    v0 = jnp.ones(A.input_structure.shape, A.input_structure.dtype)
+
+    def smallest(scale):
+        w, X, _ = dl.eigsh(lambda v: scale * (A @ v), 2, v0=v0, layout="sharded", method=method, tol=1e-8)
+        return w[0] + dlc.allreduce(jnp.sum(X[1] ** 2 * v0))
+
+    text = lower_for_cuda(smallest, 1.5)
+    assert ("distlinalg_allreduce" in targets(text)) == (size > 1)
+    lower_for_cuda(jax.grad(smallest), 1.5)
+    lower_for_cuda(lambda s: jax.jvp(smallest, (s,), (1.0,)), 1.5)
+
+
 @pytest.mark.max_ranks(2)  # on COMM_SELF: the same programs at every rank count
 @pytest.mark.parametrize(("solver", "kwargs"), [
     ("cg", {}), ("cg", {"method": "single_reduction"}), ("cg", {"method": "pipelined"}), ("minres", {}),

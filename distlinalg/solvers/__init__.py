@@ -10,7 +10,7 @@ between ranks stop every rank with ``Reason.DIVERGED_INCONSISTENT_RANKS``,
 invalid arguments raise a ValueError on every rank. ``natural_gradient``
 solves the SR / MinSR system of a sharded model in parameter or sample space.
 ``eigsh`` finds a few eigenpairs of a Hermitian operator (thick-restart
-Lanczos), differentiable in both modes.
+Lanczos, or LOBPCG with a preconditioner), differentiable in both modes.
 """
 
 from ._common import Reason, SolverInfo
