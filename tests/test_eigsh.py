@@ -176,15 +176,15 @@ def test_vmap_over_independent_operators(comm, size, method, layout):
                 return A_rows @ allreduce(place(v, rows, N), comm=comm)
             return eigsh(matvec, 2, v0=jnp.ones(len(rows)), layout="sharded", method=method, comm=comm)
         stacked = jnp.asarray(np.stack([A[rows] for A in batch]))
-    w, X, info = jax.vmap(smallest)(stacked)
+    w, X, info = jax.jit(jax.vmap(smallest))(stacked)
     for b, A in enumerate(batch):
         np.testing.assert_allclose(w[b], np.linalg.eigvalsh(A)[:2], atol=1e-10)
     assert np.asarray(info.converged).all() and np.asarray(info.residual_norms).max() < 1e-9
     # d(λ₁ + λ₂)/dA of each member: the projector onto its two eigenvectors (its rows here;
     # the exact gradient of a replicated loss of sharded rows, docs/ad.md).
     sharded_rows = () if layout == "replicated" else 0
-    G = np.asarray(distlinalg.ad.grad(lambda S: jnp.sum(jax.vmap(smallest)(S)[0]), sharded=sharded_rows,
-                                      comm=comm)(stacked))
+    G = np.asarray(jax.jit(distlinalg.ad.grad(lambda S: jnp.sum(jax.vmap(smallest)(S)[0]), sharded=sharded_rows,
+                                              comm=comm))(stacked))
     for b, A in enumerate(batch):
         U = np.linalg.eigh(A)[1][:, :2]
         projector = U @ U.T
@@ -210,9 +210,9 @@ def test_degenerate_eigenvalues_derivatives(comm):
             return jnp.sum(eigsh(jnp.asarray(A0) + theta * jnp.asarray(B), 2, method=method, comm=comm)[1][0] ** 2
                            * jnp.arange(N))
 
-        np.testing.assert_allclose(jax.grad(values_sum)(0.0), np.trace(U.T @ B @ U), rtol=1e-8)
-        assert np.isnan(jax.grad(vector_part)(0.0))
-        assert np.isnan(jax.jvp(vector_part, (0.0,), (1.0,))[1])
+        np.testing.assert_allclose(jax.jit(jax.grad(values_sum))(0.0), np.trace(U.T @ B @ U), rtol=1e-8)
+        assert np.isnan(jax.jit(jax.grad(vector_part))(0.0))
+        assert np.isnan(jax.jit(lambda t: jax.jvp(vector_part, (t,), (1.0,))[1])(0.0))
 
 
 def test_unconverged_derivative_raises_eagerly_and_is_nan_in_jit(comm, rank, size):
@@ -264,11 +264,11 @@ def test_derivatives_against_eigh(comm, size, layout, method):
 
     theta = 0.3
     # The exact gradient of a replicated loss of a replicated θ (docs/ad.md).
-    value, grad = distlinalg.ad.value_and_grad(loss)(theta)
+    value, grad = jax.jit(distlinalg.ad.value_and_grad(loss))(theta)
     ref_value, ref_grad = jax.value_and_grad(reference)(theta)
     np.testing.assert_allclose(value, ref_value, rtol=1e-9)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-6)
-    _, tangent = jax.jvp(loss, (theta,), (1.0,))
+    tangent = jax.jit(lambda t: jax.jvp(loss, (t,), (1.0,))[1])(theta)
     np.testing.assert_allclose(tangent, ref_grad, rtol=1e-6)
 
 
@@ -279,7 +279,7 @@ def test_gradient_with_respect_to_the_matrix(comm):
     c = np.random.default_rng(8).standard_normal(N)
     loss = lambda A: eigsh(A, 2, comm=comm)[0][0] + jnp.sum(c * eigsh(A, 2, comm=comm)[1][0] ** 2)  # noqa: E731
     ref = lambda A: jnp.linalg.eigh(A)[0][0] + jnp.sum(c * jnp.linalg.eigh(A)[1][:, 0] ** 2)  # noqa: E731
-    G = np.asarray(jax.grad(loss)(jnp.asarray(A)))
+    G = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(A)))
     np.testing.assert_allclose((G + G.T) / 2, jax.grad(ref)(jnp.asarray(A)), atol=1e-8)
 
 

@@ -40,7 +40,7 @@ from .._mpi import resolve_comm
 from ..operators._base import LinearOperator
 from . import _arguments
 from ._common import Reason, Reductions
-from ._eigen import (CONVERGED, MAX_ITERATIONS, WHICH, Found, Params, basis_dots, combine, ordering, residuals, row,
+from ._eigen import (CONVERGED, MAX_ITERATIONS, WHICH, Found, Params, combine, grams, ordering, residuals, row,
                      start_vector, template as vector_template)
 from ._lanczos import lanczos
 from ._lobpcg import lobpcg
@@ -252,44 +252,39 @@ def _eigsh_jvp(params: Params, matvec: Callable[..., Any], preconditioner: Calla
     red = Reductions(params.layout, params.comm)
     mv = lambda v: matvec(v, *a_consts)  # noqa: E731
     k = params.k
-    xs = [row(X, i) for i in range(k)]
 
     def a_dot(x: Any) -> Any:
         """Ȧ x: the tangent of A's matvec along the tangents of what A depends on."""
         return jax.jvp(lambda *c: matvec(x, *c), tuple(a_consts),
                        tuple(jax.tree_util.tree_map(_instantiate, a_consts_dot, a_consts)))[1]
 
-    adx = [a_dot(x) for x in xs]
-    # [i, j] = xⱼᴴ Ȧ xᵢ, in one allreduce.
-    coupling = jnp.stack(red.dots([(xj, ai) for ai in adx for xj in xs])).reshape(k, k)
+    # The k vectors at once (vmap): one program for all of them, one message per collective.
+    AdX = jax.vmap(a_dot)(X)                                                        # Ȧ xᵢ, a block
+    coupling = grams(red, [(X, AdX)])[0].T                                          # [i, j] = xⱼᴴ Ȧ xᵢ
     # No derivative of an unconverged eigensolve: NaN (identical on every rank). A factor,
     # not a term: a tangent must stay linear for the transposition to carry it.
     defined = jnp.where(info.converged, 1, jnp.nan).astype(w.dtype)
     w_dot = jnp.real(jnp.diagonal(coupling)).astype(w.dtype) * defined                  # Hellmann–Feynman
 
-    def project_out(v: Any) -> Any:
-        """(I − X Xᴴ) v: the complement of the computed eigenvectors (one allreduce)."""
-        return jax.tree_util.tree_map(jnp.subtract, v, combine(basis_dots(red, X, v), X))
+    def project_out(V: Any) -> Any:
+        """(I − X Xᴴ) V for a block V: the complement of the computed eigenvectors (one allreduce)."""
+        return jax.tree_util.tree_map(jnp.subtract, V, combine(grams(red, [(X, V)])[0], X))
 
-    # Eigenvalues closer than the computed accuracy are one eigenvalue as far as the
-    # eigenvectors' derivative is concerned: it does not exist there (NaN).
+    # Within span(X): Σ_{j≠i} xⱼ (xⱼᴴ Ȧ xᵢ)/(λᵢ − λⱼ). Eigenvalues closer than the computed
+    # accuracy are one eigenvalue as far as the eigenvectors' derivative is concerned: it
+    # does not exist there (NaN).
     accuracy = info.residual_norms[:, None] + info.residual_norms[None, :] \
         + 64 * jnp.finfo(w.dtype).eps * jnp.max(jnp.abs(w))
     gaps = w[:, None] - w[None, :]
     inverse_gaps = jnp.where(jnp.abs(gaps) > accuracy, 1 / jnp.where(gaps == 0, 1, gaps), jnp.nan)
-    tangents_out = []
-    for i in range(k):
-        # Within span(X): Σ_{j≠i} xⱼ (xⱼᴴ Ȧ xᵢ)/(λᵢ − λⱼ).
-        inside = jax.tree_util.tree_map(jnp.zeros_like, xs[i])
-        for j in range(k):
-            if j != i:
-                c = coupling[i, j] * inverse_gaps[i, j]
-                inside = jax.tree_util.tree_map(lambda a, b: a + c.astype(a.dtype) * b, inside, xs[j])
-        # In the complement: P (A − λᵢ) P y = −P Ȧ xᵢ, by MINRES.
-        rhs = jax.tree_util.tree_map(jnp.negative, project_out(adx[i]))
-        y = _complement_solve(params, mv, project_out, w[i], rhs)
-        tangents_out.append(jax.tree_util.tree_map(lambda a, b: (a + b) * defined.astype(a.dtype), inside, y))
-    X_dot = jax.tree_util.tree_map(lambda *parts: jnp.stack(parts), *tangents_out)
+    inverse_gaps = jnp.where(jnp.eye(k, dtype=bool), 0, inverse_gaps)
+    inside = combine((coupling * inverse_gaps.astype(coupling.dtype)).T, X)         # row i: Σ_j c_ij xⱼ
+    # In the complement: P (A − λᵢ) P yᵢ = −P Ȧ xᵢ, by MINRES, the k systems batched.
+    rhs = jax.tree_util.tree_map(jnp.negative, project_out(AdX))
+    single = lambda V: jax.tree_util.tree_map(lambda leaf: leaf[None], V)  # noqa: E731
+    Y = jax.vmap(lambda b, shift: _complement_solve(params, mv, lambda v: row(project_out(single(v)), 0),
+                                                    shift, b))(rhs, w)
+    X_dot = jax.tree_util.tree_map(lambda a, b: (a + b) * defined.astype(a.dtype), inside, Y)
     info_dot = jax.tree_util.tree_map(_zero_tangent, info)
     return (w, X, info), (w_dot, X_dot, info_dot)
 
