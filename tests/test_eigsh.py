@@ -160,7 +160,7 @@ def test_lobpcg_in_jit_on_the_sharded_laplacian(comm, size):
 
 
 @pytest.mark.parametrize("method", ["lanczos", "lobpcg"])
-@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+@pytest.mark.parametrize("layout", [pytest.param("replicated", marks=pytest.mark.max_ranks(2)), "sharded"])
 def test_vmap_over_independent_operators(comm, size, method, layout):
     """jax.vmap over a batch of operators (in the sharded layout: each rank's rows of each):
     every member against numpy, and the batched gradient of the smallest eigenvalues."""
@@ -192,6 +192,7 @@ def test_vmap_over_independent_operators(comm, size, method, layout):
         np.testing.assert_allclose(G[b], expected, atol=1e-8)
 
 
+@pytest.mark.max_ranks(2)  # replicated layout: nothing here depends on the rank count beyond 2
 def test_degenerate_eigenvalues_derivatives(comm):
     """A double eigenvalue: the derivative of the sum of its copies exists (the trace of Ȧ on the
     eigenspace) and is returned; the eigenvectors' derivative does not, and is NaN."""
@@ -215,6 +216,7 @@ def test_degenerate_eigenvalues_derivatives(comm):
         assert np.isnan(jax.jit(lambda t: jax.jvp(vector_part, (t,), (1.0,))[1])(0.0))
 
 
+@pytest.mark.max_ranks(2)  # replicated layout: nothing here depends on the rank count beyond 2
 def test_unconverged_derivative_raises_eagerly_and_is_nan_in_jit(comm, rank, size):
     """maxiter too small: the eigensolve says it did not converge; differentiating it raises a
     ValueError on every rank eagerly, and gives NaN under jit."""
@@ -272,6 +274,7 @@ def test_derivatives_against_eigh(comm, size, layout, method):
     np.testing.assert_allclose(tangent, ref_grad, rtol=1e-6)
 
 
+@pytest.mark.max_ranks(2)  # replicated layout: nothing here depends on the rank count beyond 2
 def test_gradient_with_respect_to_the_matrix(comm):
     """Reverse mode with respect to a replicated matrix: the symmetric part of the gradient
     is eigh's (which reads only the symmetric part of its input)."""

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._mpi import resolve_comm
-from ..operators._base import LinearOperator
+from ..operators import LinearOperator
 from . import _arguments
 from ._common import Reason, Reductions
 from ._eigen import (CONVERGED, MAX_ITERATIONS, WHICH, Found, Params, combine, grams, ordering, residuals, row,
