@@ -85,6 +85,26 @@ def test_eigenpairs_against_numpy(comm, size, layout, dtype, method, which):
     assert (everyone == everyone[0]).all()
 
 
+@pytest.mark.parametrize("method", ["lanczos", "lobpcg"])
+def test_pytree_vectors(comm, size, method):
+    """Vectors that are pytrees (a dict of two leaves of different shapes), sharded: each rank
+    holds its rows of both leaves. Against numpy on the matrix of the flattened vector."""
+    A = hermitian(seed=9)
+    rows = rows_of(comm.Get_rank(), size)
+    split = len(rows) // 2  # this rank's rows: the first `split` go to leaf "a", the rest to "b" (2-D)
+
+    def matvec(v):
+        flat = jnp.concatenate([v["a"], v["b"].ravel()])
+        out = jnp.asarray(A)[rows] @ allreduce(place(flat, rows, N), comm=comm)
+        return {"a": out[:split], "b": out[split:].reshape(-1, 1)}
+
+    v0 = {"a": jnp.ones(split), "b": jnp.ones((len(rows) - split, 1))}
+    w, X, info = eigsh(matvec, 3, v0=v0, layout="sharded", method=method, comm=comm)
+    np.testing.assert_allclose(w, np.linalg.eigvalsh(A)[:3], atol=1e-10)
+    assert X["a"].shape == (3, split) and X["b"].shape == (3, len(rows) - split, 1)
+    assert bool(info.converged) and float(np.max(info.residual_norms)) < 1e-9
+
+
 def test_in_jit_and_with_a_small_basis(comm):
     A = hermitian(seed=3)
     w, X, info = jax.jit(lambda A: eigsh(A, 4, ncv=9, comm=comm))(jnp.asarray(A))
