@@ -334,3 +334,46 @@ def test_bad_input_raises_on_every_rank(comm, rank, size):
 
 def test_top_level_name():
     assert distlinalg.eigsh is eigsh
+
+
+def _loop_bodies(jaxpr):
+    """The bodies of every while loop in `jaxpr`, outermost first."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "while":
+            yield eqn.params["body_jaxpr"].jaxpr
+        for sub in _subjaxprs(eqn):
+            yield from _loop_bodies(sub)
+
+
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else [value]:
+            inner = getattr(item, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                yield inner
+            elif hasattr(item, "eqns"):
+                yield item
+
+
+def _allreduces(jaxpr, in_conds=False):
+    """distlinalg allreduce equations in `jaxpr` (nested), outside `cond` branches unless `in_conds`."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == "distlinalg_allreduce"
+        if eqn.primitive.name != "cond" or in_conds:
+            total += sum(_allreduces(sub, in_conds) for sub in _subjaxprs(eqn))
+    return total
+
+
+@pytest.mark.parametrize("method", ["lanczos", "lobpcg"])
+def test_three_allreduces_per_step_in_the_sharded_layout(comm, method):
+    """The counts docs/eigensolvers.md states, read off the traced loops on the sharded Laplacian
+    (whose matvec exchanges halos and reduces nothing): a Lanczos step (the innermost loop) and a
+    LOBPCG iteration each take three allreduces (the breakdown branch of Lanczos aside)."""
+    from distlinalg.operators import laplacian_2d
+
+    A = laplacian_2d(8, comm=comm, dtype=jnp.float64)
+    jaxpr = jax.make_jaxpr(lambda: eigsh(A, 2, method=method))().jaxpr
+    bodies = list(_loop_bodies(jaxpr))
+    step = [b for b in bodies if not list(_loop_bodies(b))][0] if method == "lanczos" else bodies[0]
+    assert _allreduces(step) == 3
