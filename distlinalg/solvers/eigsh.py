@@ -236,7 +236,6 @@ def _checked(params: Params, mv: Callable[[Any], Any], found: Found) -> tuple[An
     return w[order], X, info
 
 
-
 # ---------------------------------------------------------------------------
 # Derivatives
 @_eigsh.defjvp
