@@ -48,7 +48,7 @@ def main() -> None:
     for it in range(300):
         w = step(w)
 
-    everyone = dl._mpi.DEFAULT_COMM.comm.gather((A, b), root=0)
+    everyone = dl.comm.communicator().comm.gather((A, b), root=0)
     if rank == 0:
         A_all = np.concatenate([a for a, _ in everyone])
         b_all = np.concatenate([bb for _, bb in everyone])

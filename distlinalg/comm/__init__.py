@@ -15,7 +15,7 @@ from .barrier import barrier, barrier_p
 from .fused import tree_allreduce
 from .bcast import bcast, bcast_p
 from .gather import gather, gather_p
-from .info import rank, size
+from .info import communicator, rank, size
 from .nonblocking import Request, iallgather, iallgather_p, iallreduce, iallreduce_p, wait, wait_p
 from .nonblocking_p2p import irecv, irecv_p, isend, isend_p
 from .overlap import fence_p, overlap
@@ -28,7 +28,8 @@ from .scan import exscan, scan, scan_p
 from .scatter import scatter, scatter_p
 
 __all__ = [
-    "PROC_NULL", "ANY_SOURCE", "ANY_TAG", "Status", "Communicator", "ReduceOp", "configure", "rank", "size",
+    "PROC_NULL", "ANY_SOURCE", "ANY_TAG", "Status", "Communicator", "ReduceOp", "configure", "communicator",
+    "rank", "size",
     "allreduce", "tree_allreduce", "reduce", "bcast", "gather", "scatter", "allgather", "reduce_scatter",
     "alltoall", "scan", "exscan", "send", "recv", "sendrecv", "barrier",
     "iallreduce", "iallgather", "isend", "irecv", "wait", "overlap", "Request",

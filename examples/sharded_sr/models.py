@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distlinalg._mpi import resolve_comm
+from distlinalg.comm import communicator
 from distlinalg.comm import allgather, reduce_scatter
 
 Params = dict[str, jax.Array]
@@ -107,7 +107,7 @@ class ShardedRBM:
     sharded = True
 
     def __post_init__(self) -> None:
-        comm = resolve_comm(self.comm)
+        comm = communicator(self.comm)
         if comm.size > min(self.L, self.alpha * self.L):
             raise ValueError("ShardedRBM needs at least one visible site and one hidden unit per rank")
         object.__setattr__(self, "_comm", comm)

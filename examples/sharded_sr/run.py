@@ -31,7 +31,7 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from distlinalg._mpi import resolve_comm  # noqa: E402
+from distlinalg.comm import communicator  # noqa: E402
 
 from .exact import basis_spins, exact_energy, variational_energy  # noqa: E402
 from .hamiltonians import heisenberg, tfim  # noqa: E402
@@ -92,7 +92,7 @@ def sr_config(args: argparse.Namespace) -> SRConfig:
 
 def build(args: argparse.Namespace, comm: Any = None) -> tuple[VMC, Any, SamplerState, dict]:
     """(vmc, initial params (this rank's block if sharded), sampler state, couplings)."""
-    c = resolve_comm(comm)
+    c = communicator(comm)
     dtype = jnp.complex128 if args.dtype == "complex" else jnp.float64
     if args.model == "tfim":
         ham, move = tfim(args.L, h=args.h, J=args.J), "flip"

@@ -40,7 +40,7 @@ import numpy as np
 
 import distlinalg
 import distlinalg.ad as dad
-from distlinalg._mpi import resolve_comm
+from distlinalg.comm import communicator
 from distlinalg.comm import allreduce
 from distlinalg.operators import gram
 from distlinalg.solvers import Reason
@@ -85,7 +85,7 @@ def energy_stats(e_loc: jax.Array, comm: Any) -> tuple[jax.Array, jax.Array, jax
 
     Needs equal sample counts per rank (N = P·n). Values identical on every rank.
     """
-    c = resolve_comm(comm)
+    c = communicator(comm)
     n_total = e_loc.shape[0] * c.size
     mean = allreduce(jnp.sum(e_loc), "sum", comm=c) / n_total
     var = allreduce(jnp.sum(jnp.abs(e_loc - mean) ** 2), "sum", comm=c) / n_total
@@ -111,7 +111,7 @@ def force(log_psi: Callable[[Any, jax.Array], jax.Array], params: Any, samples: 
         (out,) = jax.vjp(lambda p: log_psi(p, samples), params)[1](ct.astype(out_dtype))
         if mode == "holomorphic":
             out = tmap(jnp.conj, out)
-    if not sharded and resolve_comm(comm).size > 1:
+    if not sharded and communicator(comm).size > 1:
         out = allreduce(out, "sum", comm=comm)
     return out
 
@@ -162,7 +162,7 @@ class VMC:
     def __init__(self, hamiltonian: Hamiltonian, model: Any, sampler: MetropolisSampler, cfg: SRConfig,
                  params_like: Any, comm: Any = None):
         self.hamiltonian, self.model, self.sampler, self.cfg = hamiltonian, model, sampler, cfg
-        self.comm = resolve_comm(comm)
+        self.comm = communicator(comm)
         self.sharded = bool(getattr(model, "sharded", False))
         self.mode = cfg.mode or default_mode(params_like)
         self.log_psi = model.log_psi
@@ -278,6 +278,6 @@ class VMC:
 
 def params_equal_across_ranks(params: Any, comm: Any) -> bool:
     """Bitwise equality of replicated parameters on every rank (host side)."""
-    c = resolve_comm(comm)
+    c = communicator(comm)
     flat = np.concatenate([np.asarray(x).ravel().view(np.uint8) for x in jax.tree_util.tree_leaves(params)])
     return all(np.array_equal(flat, other) for other in c.comm.allgather(flat))
