@@ -19,7 +19,8 @@ that G stays well conditioned as the residuals shrink.
 Per iteration: one application of A and one of M to a block of k vectors
 (batched with ``jax.vmap``: one message per collective for the whole block),
 and three allreduces in the sharded layout: [‖rᵢ‖², Xᴴ W, Pᴴ W] (the stop
-test and the first projection), [Xᴴ W, Pᴴ W] (the second), and [G, T]. A X
+test and the first projection), [Xᴴ W, Pᴴ W] (the second), and [G, T]
+(their blocks on and above the diagonal: both are Hermitian). A X
 and A P are updated from A W by the same combinations as X and P, and
 recomputed every ``_REFRESH`` iterations so that rounding does not drift.
 """
@@ -94,7 +95,7 @@ def lobpcg(params: Params, mv: Callable[[Any], Any], precond: Callable[[Any], An
         W = project(W, X, XW2, P, PW2)                                       # second pass
         AW = apply_A(W)
         Q, AQ = stack([X, W, P]), stack([AX, AW, AP])
-        G, T = grams(red, [(Q, Q), (Q, AQ)])                                 # G = Qᴴ Q, T = Qᴴ A Q
+        G, T = hermitian_grams(red, [X, W, P], [AX, AW, AP])                 # G = Qᴴ Q, T = Qᴴ A Q
         theta_all, Y, seen = rayleigh_ritz(G, T, which, eps)
         Z = next_direction(Y[:, :k], G, k, eps)
         X, AX = combine(Y[:, :k], Q), combine(Y[:, :k], AQ)                  # X ← Q Y
@@ -116,6 +117,20 @@ def lobpcg(params: Params, mv: Callable[[Any], Any], precond: Callable[[Any], An
     theta_all, Y, _ = rayleigh_ritz(G, T, which, eps)
     X = combine(Y[:, :k], X)
     return Found(theta_all[:k], X, iterations, jnp.int32(0), matvecs + k, count)
+
+
+def hermitian_grams(red: Reductions, blocks: list[Any], images: list[Any]) -> tuple[Any, Any]:
+    """G = Qᴴ Q and T = Qᴴ A Q for Q = [blocks], A Q = [images], in one allreduce: the
+    blocks on and above the diagonal only (both are Hermitian), the rest mirrored."""
+    b = len(blocks)
+    upper = [(i, j) for i in range(b) for j in range(i, b)]
+    parts = grams(red, [(blocks[i], blocks[j]) for i, j in upper] + [(blocks[i], images[j]) for i, j in upper])
+    G_blocks, T_blocks = {}, {}
+    for (i, j), g, t in zip(upper, parts[:len(upper)], parts[len(upper):]):
+        G_blocks[i, j], T_blocks[i, j] = g, t
+        G_blocks[j, i], T_blocks[j, i] = jnp.conj(g.T), jnp.conj(t.T)
+    assemble = lambda blocks_: jnp.block([[blocks_[i, j] for j in range(b)] for i in range(b)])  # noqa: E731
+    return assemble(G_blocks), assemble(T_blocks)
 
 
 # ---------------------------------------------------------------------------
