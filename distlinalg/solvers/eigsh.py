@@ -140,6 +140,8 @@ def eigsh(
     coinciding eigenvalues, an unconverged eigensolve) is NaN, and eager
     differentiation of an unconverged eigensolve raises. Eigenvectors are
     defined up to a phase: differentiate phase-invariant functions of them.
+    The derivative rule treats the k vectors as one batch (``jax.vmap`` of
+    Ȧ and of the complement MINRES solves), so A must support vmap there.
 
     Example:
       >>> import jax.numpy as jnp
