@@ -75,7 +75,9 @@ def lanczos(params: Params, mv: Callable[[Any], Any], start: Any) -> Found:
         count = jnp.where(found & (c < 1), count - 1, count)  # the new pair's own convergence
         return w[order], X, restarts + r, steps + s, count, probes + 1, found
 
-    state = (w, X, restarts, steps, count, jnp.int32(0), jnp.bool_(True))
+    # Probes only after convergence: an unconverged run has nothing to complete, and its
+    # restart budget (maxiter) is spent.
+    state = (w, X, restarts, steps, count, jnp.int32(0), count >= k)
     w, X, restarts, steps, count, _, _ = jax.lax.while_loop(probing, probe, state)
     return Found(w, X, steps, restarts, steps, count)
 
