@@ -335,6 +335,12 @@ def test_bad_input_raises_on_every_rank(comm, rank, size):
         pattern = message if last else "invalid solver arguments"
         failure = failure_of(call, pattern)
         assert_no_failures(f"{name}: {failure}" if failure else "", comm)
+    # Valid on each rank, but not the same everywhere: the same error on every rank.
+    if size > 1:
+        for name, call in {"k": lambda: eigsh(A, 3 if last else 2, comm=comm),
+                           "tol": lambda: eigsh(A, 2, tol=1e-6 if last else 1e-8, comm=comm)}.items():
+            failure = failure_of(call, "the ranks were given different parameters")
+            assert_no_failures(f"{name} differing: {failure}" if failure else "", comm)
     with pytest.raises(ValueError, match="pass v0"):
         eigsh(lambda v: v, 2, comm=comm)
 

@@ -192,19 +192,34 @@ def eigsh(
             raise ValueError(f"distlinalg.eigsh: maxiter must be a positive int, got {maxiter}")
         op = _arguments.solver_operator(A, checked_layout, comm, template, "A")
         precond = None if M is None else _arguments.solver_operator(M, checked_layout, comm, template, "M")
-        return checked_layout, template, basis, cycles, op, precond
+        return checked_layout, template, basis, cycles, op, precond, n
 
-    checked_layout, template, basis, cycles, op, precond = _arguments.collectively(build, comm)
+    checked_layout, template, basis, cycles, op, precond, n = _arguments.collectively(build, comm)
     dtype = jnp.result_type(*jax.tree_util.tree_leaves(template))
     if not jnp.issubdtype(dtype, jnp.inexact):
         dtype = jnp.result_type(float)
     start = start_vector(template, v0, dtype, comm, checked_layout)
     eps = float(jnp.finfo(dtype).eps)
     relative = eps if tol is None or tol == 0 else float(tol)
+    _agree(f"k={k} which={which} method={method} ncv={basis} maxiter={cycles} tol={relative!r} n={n} "
+           f"layout={checked_layout} dtype={jnp.dtype(dtype).name}", comm)
     matvec, consts = jax.closure_convert(op.matvec, start)
     preconditioner, precond_consts = (None, []) if precond is None else jax.closure_convert(precond.matvec, start)
     params = Params(k, which, basis, cycles, relative, checked_layout, comm, method, len(consts))
     return _eigsh(params, matvec, preconditioner, start, *consts, *precond_consts)
+
+
+def _agree(signature: str, comm: Any) -> None:
+    """The static parameters that steer the iteration (k, which, the method, ncv, maxiter, tol,
+    n, ...) identical on every rank, or a ValueError on every rank: the loops' trip counts
+    and the stopping test depend on them (one small allgather, at trace time)."""
+    if comm.size == 1:
+        return
+    signatures = _arguments._exchange_messages(signature, comm)
+    if any(other != signatures[0] for other in signatures):
+        differing = "; ".join(f"rank {r}: {other}" for r, other in enumerate(signatures))
+        raise ValueError(f"distlinalg.eigsh: the ranks were given different parameters ({differing}); "
+                         "every rank must call eigsh with the same k, which, method, ncv, maxiter and tol")
 
 
 # ---------------------------------------------------------------------------
