@@ -176,7 +176,7 @@ def main() -> int:
         return worker(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--timeout", type=float, default=1500.0, help="wall-clock limit per rank count (s)")
+    parser.add_argument("--timeout", type=float, default=2400.0, help="wall-clock limit per rank count (s); each test has its own pytest-timeout")
     parser.add_argument("--no-serial", action="store_true", help="skip the single-process tests")
     parser.add_argument("--no-compile-cache", action="store_true",
                         help="compile everything afresh in every world (no shared JAX compilation cache)")
