@@ -31,7 +31,7 @@ import functools
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -206,11 +206,10 @@ def configure(
     if max_count is not None:
         _check_max_count(max_count, "max_count")
     if timeout is not None or stall is not None:
-        from . import _safety  # here, not at the top: _safety imports this module
-
+        parse = _monitor_settings().parse
         for name, value in (("timeout", timeout), ("stall", stall)):
             if value is not None:
-                _safety.parse_timeout(value, name)  # a bad value changes nothing
+                parse(value, name)  # a bad value changes nothing
     current = _native.settings()
     mode = current["check_mode"]
     if check is not None:
@@ -224,9 +223,36 @@ def configure(
         max_count=current["max_count"] if max_count is None else int(max_count),
     )
     if timeout is not None:
-        _safety.set_timeout(timeout)
+        _monitor_settings().set_timeout(timeout)
     if stall is not None:
-        _safety.set_stall(stall)
+        _monitor_settings().set_stall(stall)
+
+
+# The watchdog and the stall report (configure's `timeout` and `stall`) are
+# distlinalg._safety's. It depends on this module, never the other way round:
+# when distlinalg is imported, _safety.install() registers here how its
+# settings are checked and applied.
+class MonitorSettings(NamedTuple):
+    """How `configure` reaches the watchdog's settings (see `register_monitor_settings`)."""
+
+    parse: Callable[[Any, str], Any]  # (value, name): checks a value; ValueError, and nothing changes
+    set_timeout: Callable[[Any], None]
+    set_stall: Callable[[Any], None]
+
+
+_monitor_hooks: MonitorSettings | None = None
+
+
+def register_monitor_settings(settings: MonitorSettings) -> None:
+    """Called once, by distlinalg._safety.install(): `configure(timeout=..., stall=...)` uses `settings`."""
+    global _monitor_hooks
+    _monitor_hooks = settings
+
+
+def _monitor_settings() -> MonitorSettings:
+    if _monitor_hooks is None:
+        raise RuntimeError("distlinalg._safety.install() has not run")
+    return _monitor_hooks
 
 
 def _check_max_count(value: Any, name: str) -> int:
@@ -384,6 +410,31 @@ def resolve_comm(comm: Any) -> Communicator:
         "distlinalg: comm must be an mpi4py communicator (mpi4py.MPI.Intracomm) or "
         f"None for distlinalg's default communicator, got {type(comm).__name__}: {comm!r}"
     )
+
+
+# ---------------------------------------------------------------------------
+# What the diagnostics (distlinalg._safety: the stall report, the watchdog,
+# Ctrl-C) read of this rank's MPI state. With DEFAULT_COMM, THREAD_LEVEL,
+# handle_of and register_monitor_settings, this is all that _safety uses here.
+def tracks_calls() -> bool:
+    """Whether the native extension reports the MPI calls in progress (an old build does not)."""
+    return hasattr(_native, "current_calls")
+
+
+def calls_in_progress() -> list[dict[str, Any]]:
+    """This rank's distlinalg MPI calls in progress, one record each (op, dtype, count, root,
+    comm, rank, seq, seconds); [] when the build does not track them."""
+    return list(_native.current_calls()) if tracks_calls() else []
+
+
+def calls_started() -> int | None:
+    """How many distlinalg MPI calls this rank has started; None when the build does not count them."""
+    return int(_native.calls_started()) if hasattr(_native, "calls_started") else None
+
+
+def known_communicator(handle: int) -> Communicator | None:
+    """The Communicator that distlinalg made for the MPI handle `handle`, if it is still alive."""
+    return _wrapped.get(handle)
 
 
 # ---------------------------------------------------------------------------

@@ -143,18 +143,8 @@ def python_stacks(skip: int | None = None) -> str:
     return "".join(parts)
 
 
-def _native_calls() -> list[dict[str, Any]]:
-    native = _mpi._native
-    return list(native.current_calls()) if hasattr(native, "current_calls") else []
-
-
-def _calls_started() -> int | None:
-    native = _mpi._native
-    return int(native.calls_started()) if hasattr(native, "calls_started") else None
-
-
 def _comm_label(handle: int) -> str:
-    known = _mpi._wrapped.get(handle)
+    known = _mpi.known_communicator(handle)
     if handle == _mpi.DEFAULT_COMM.handle:
         name = "distlinalg default"
     elif handle == _mpi.handle_of(MPI.COMM_WORLD):
@@ -165,7 +155,7 @@ def _comm_label(handle: int) -> str:
 
 
 def describe_call(call: dict[str, Any]) -> str:
-    """One line for a record of `_native.current_calls()`."""
+    """One line for a record of `_mpi.calls_in_progress()`."""
     args = [] if call.get("dtype") in (None, "-") else [f"dtype={call['dtype']}", f"count={call.get('count')}"]
     root = int(call.get("root", -1))
     if root >= 0:
@@ -380,7 +370,7 @@ class _Monitor:
             return
         if time.monotonic() - self.sigint_at < SIGINT_GRACE_S:
             return
-        calls = _native_calls()
+        calls = _mpi.calls_in_progress()
         where = "; ".join(describe_call(c) for c in calls) if calls else "a JAX computation or other native code"
         _write(_prefix(
             f"KeyboardInterrupt on rank {self.rank} of {self.size} while in {where}\n"
@@ -414,7 +404,7 @@ class _Monitor:
                        "ending it from here.\n")
                 _abort(EXIT_TIMEOUT)
             return  # another rank is reporting: do not start a second report
-        calls = _native_calls()
+        calls = _mpi.calls_in_progress()
         stuck = [c for c in calls if timeout and float(c.get("seconds", 0.0)) > timeout]
         if stuck:
             self._report(max(stuck, key=lambda c: c["seconds"]), timeout)
@@ -439,13 +429,13 @@ class _Monitor:
         if main is not None:
             summary = _innermost_user_frame(traceback.extract_stack(main))
             where = f"{summary.filename}:{summary.lineno} in {summary.name}"
-        calls = _native_calls()
+        calls = _mpi.calls_in_progress()
         return {
             "rank": self.rank,
             "ops": [c.get("op") for c in calls],
             "peers": [int(c.get("root", -1)) for c in calls],
             "calls": [describe_call(c) for c in calls],  # described here: comm names are local
-            "started": _calls_started(),
+            "started": _mpi.calls_started(),
             "main": where,
         }
 
@@ -457,10 +447,10 @@ class _Monitor:
 
     def _print_state(self, header: str) -> None:
         """`header`, this rank's calls in progress and its Python stacks, on stderr."""
-        calls = _native_calls()
+        calls = _mpi.calls_in_progress()
         lines = [header]
         lines += [f"  in {describe_call(c)}" for c in calls] or ["  not in a distlinalg MPI call"]
-        started = _calls_started()
+        started = _mpi.calls_started()
         if started is not None:
             lines.append(f"  distlinalg MPI calls started by this rank: {started}")
         text = "\n".join(lines) + "\n" + python_stacks(skip=threading.get_ident())
@@ -480,7 +470,7 @@ class _Monitor:
                 # Another rank's stall report: print this rank's state once per
                 # stalled call, and do not end anything.
                 key = (source, asker.get("call"))
-                own_stall = any(_call_key(c) in self.stalls_reported for c in _native_calls())
+                own_stall = any(_call_key(c) in self.stalls_reported for c in _mpi.calls_in_progress())
                 if key not in self.stalls_answered and not own_stall:  # (its own report has its state)
                     self.stalls_answered.add(key)
                     self._print_state(
@@ -680,8 +670,11 @@ def install() -> None:
     atexit.register(_monitor.shutdown)
     os.register_at_fork(after_in_child=_monitor.after_fork_in_child)
     set_timeout(timeout)
-    if hasattr(_mpi._native, "current_calls"):  # (an old build cannot see calls in progress)
+    if _mpi.tracks_calls():  # (an old build cannot see calls in progress)
         _monitor.set_stall(stall)
+    # configure(timeout=..., stall=...) reaches these settings through _mpi,
+    # which does not import this module.
+    _mpi.register_monitor_settings(_mpi.MonitorSettings(parse_timeout, set_timeout, set_stall))
 
 
 def set_timeout(seconds: Any) -> None:
@@ -691,7 +684,7 @@ def set_timeout(seconds: Any) -> None:
     not answer the reporting rank's query.
     """
     value = parse_timeout(seconds)
-    if value and not hasattr(_mpi._native, "current_calls"):
+    if value and not _mpi.tracks_calls():
         warnings.warn(
             "distlinalg: this build of the native extension does not track calls in progress, so "
             "the watchdog cannot run; rebuild distlinalg (`make setup`).",
@@ -709,7 +702,7 @@ def set_stall(seconds: Any) -> None:
     value = parse_timeout(seconds, "stall")
     if _monitor is None:
         raise RuntimeError("distlinalg._safety.install() has not run")
-    if value and not hasattr(_mpi._native, "current_calls"):
+    if value and not _mpi.tracks_calls():
         value = None
     _monitor.set_stall(value)
 

@@ -19,13 +19,13 @@ from .info import communicator, rank, size
 from .nonblocking import Request, iallgather, iallgather_p, iallreduce, iallreduce_p, wait, wait_p
 from .nonblocking_p2p import irecv, irecv_p, isend, isend_p
 from .overlap import fence_p, overlap
-from .p2p import (
-    ANY_SOURCE, ANY_TAG, Status, recv, recv_p, send, send_p, sendrecv, sendrecv_p, sendrecv_status_p,
-)
 from .reduce import reduce, reduce_p
 from .reduce_scatter import reduce_scatter, reduce_scatter_p
 from .scan import exscan, scan, scan_p
 from .scatter import scatter, scatter_p
+from .send_recv import recv, recv_p, send, send_p
+from .sendrecv import sendrecv, sendrecv_p
+from .sendrecv_status import ANY_SOURCE, ANY_TAG, Status, sendrecv_status_p
 
 __all__ = [
     "PROC_NULL", "ANY_SOURCE", "ANY_TAG", "Status", "Communicator", "ReduceOp", "configure", "communicator",

@@ -164,11 +164,12 @@ def new_expanded_primitive(
     """A communication primitive defined by what it expands into.
 
     For the protocol primitives of differentiated point-to-point messages
-    (``comm/p2p.py``): `expansion(*args, **params)` returns the list of
-    results, computed by binding other communication primitives, whose
-    lowerings are per platform. The expansion is the lowering on every
-    platform, so a composite primitive lowers wherever its parts do (the
-    CPU and, in builds with the CUDA handlers, CUDA). Eagerly it runs as
+    (``comm/sendrecv.py``, ``comm/sendrecv_status.py``): `expansion(*args,
+    **params)` returns the list of results, computed by binding other
+    communication primitives, whose lowerings are per platform. The
+    expansion is the lowering on every platform, so a composite primitive
+    lowers wherever its parts do (the CPU and, in builds with the CUDA
+    handlers, CUDA). Eagerly it runs as
     one compiled program. Its JVP and batching rules are the caller's.
 
     Args:

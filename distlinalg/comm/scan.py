@@ -48,7 +48,7 @@ import numpy as np
 from .._mpi import PROC_NULL, Communicator, ReduceOp, check_dtype, resolve_comm, resolve_op
 from . import _core
 from ._core import ad, batching
-from .p2p import sendrecv_p
+from .sendrecv import sendrecv_p
 
 # Tag of the rules' internal messages: above the user tags (0..4095) and the
 # derivative flags (0x1000, 0x2000), which may still be OR-ed into it when the
