@@ -207,26 +207,6 @@ def at_top_level() -> bool:
     return type(_core.trace_ctx.trace) is _core.EvalTrace
 
 
-def current_trace() -> Any:
-    """The trace JAX is tracing into now (an EvalTrace when nothing is traced)."""
-    return _core.trace_ctx.trace
-
-
-def is_eager_trace(trace: Any) -> bool:
-    return isinstance(trace, _core.EvalTrace)
-
-
-def trace_reaches(trace: Any) -> bool:
-    """Whether `trace` is the current trace or one it is nested in (so that
-    values traced in it may be used now, as closed-over constants)."""
-    current = current_trace()
-    while current is not None:
-        if current is trace:
-            return True
-        current = getattr(current, "parent_trace", None)
-    return False
-
-
 def fresh_token() -> Any:
     """A new StableHLO token (for programs that carry no JAX ordered effect)."""
     return _hlo.create_token()

@@ -46,7 +46,7 @@ from . import solvers as _solvers
 from ._mpi import resolve_comm
 from .comm.allreduce import allreduce
 from .comm.fused import tree_allreduce
-from .operators._base import LinearOperator
+from .operators import LinearOperator
 
 __all__ = [
     "TrustRegion",

@@ -49,7 +49,7 @@ from ._mpi import resolve_comm
 from .comm._core import lowering_without_mpi_token, run_detached
 from .comm.allreduce import allreduce
 from .comm.fused import tree_allreduce
-from .operators._base import LinearOperator, aslinearoperator
+from .operators import LinearOperator, aslinearoperator
 from .solvers import Reason
 
 __all__ = [
@@ -235,16 +235,10 @@ def _dense(op: LinearOperator) -> jax.Array:
 
 
 def _conjugate(op: DistributedOperator) -> DistributedOperator:
-    from .operators._base import _conjugated_matvec
-
     inner = op.operator
     if not any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in jax.tree_util.tree_leaves(inner.input_structure)):
         return op
-    conj = LinearOperator(_conjugated_matvec, data=inner, input_structure=inner.input_structure,
-                          output_structure=inner.output_structure, layout=inner.layout,
-                          symmetric=inner.symmetric, hermitian=inner.hermitian, real_linear=inner.real_linear,
-                          comm=inner.comm, name=f"conj({inner.name})")
-    return DistributedOperator(conj, op.tags)
+    return DistributedOperator(inner.conj(), op.tags)
 
 
 def _flat_diagonal(op: DistributedOperator) -> jax.Array:

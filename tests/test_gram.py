@@ -399,11 +399,11 @@ def _count_primitives(jaxpr, name):
 
 @pytest.mark.parametrize("diag_scale", [None, 0.1])
 def test_gram_matvec_is_one_allreduce_and_linearized_once(comm, rank, size, diag_scale):
-    """One parameter-sized allreduce per matvec, and no model evaluation in it
-    (the model was linearized at construction: no log/cosh in the matvec)."""
+    """Linearised (what the solvers apply): one parameter-sized allreduce per
+    matvec, and no model evaluation in it (no log/cosh in the matvec)."""
     _, mine = samples_of(uneven_counts(size), rank)
     params = params_of(np.float64)
-    op = ops.gram(rbm, params, jnp.asarray(mine), diag_scale=diag_scale, comm=comm)
+    op = ops.linearise(ops.gram(rbm, params, jnp.asarray(mine), diag_scale=diag_scale, comm=comm))
     jaxpr = jax.make_jaxpr(op.matvec)(params).jaxpr
     assert _count_primitives(jaxpr, "distlinalg_allreduce") == (1 if size > 1 else 0)
     assert _count_primitives(jaxpr, "log") == 0 and _count_primitives(jaxpr, "cosh") == 0
@@ -422,7 +422,7 @@ def test_curvature_matvecs_are_one_allreduce(comm, rank, size):
     expected = 1 if size > 1 else 0
     for op in (ops.hessian(loss, params, X, y, comm=comm),
                ops.gauss_newton(lambda p, X: X @ p["w"] + p["c"], loss_of_outputs, params, X, comm=comm)):
-        jaxpr = jax.make_jaxpr(op.matvec)(params).jaxpr
+        jaxpr = jax.make_jaxpr(ops.linearise(op).matvec)(params).jaxpr  # what the solvers apply
         # The Hessian's matvec is the JVP of the gradient: its allreduces are
         # the gradient's (one fused message) and the loss's tangent (a scalar).
         assert _count_primitives(jaxpr, "distlinalg_allreduce") <= 2

@@ -43,7 +43,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..comm import allgather
-from ..operators._base import gather_rows
+from ..operators import Partition
 from ..operators.sample_gram import ring_products
 from ._qgt import flat_samples, sum_over_ranks, tmap
 
@@ -106,7 +106,7 @@ def sr_update(apply_fun: Any, local_energies: jax.Array, params: Any, model_stat
         per_sample = 2 if mode == "complex" else 1
         counts = np.full(comm.size, n_local, np.int64)
         kernel = ring_products(O, counts, per_sample, comm)  # this rank's rows of Ō Ōᵀ
-        kernel = gather_rows(kernel, comm) if comm.size > 1 else kernel
+        kernel = _gather_rows(kernel, comm) if comm.size > 1 else kernel
         side = kernel.shape[0]
         kernel = kernel + diag_shift * jnp.eye(side, dtype=kernel.dtype)
         if proj_reg is not None:
@@ -235,7 +235,7 @@ def ntk_onthefly_update(apply_fun: Any, local_energies: jax.Array, params: Any, 
     else:
         column_means = sum_over_ranks(jnp.sum(rows, axis=0, keepdims=True), comm) / n_total
         rows = rows - column_means - jnp.mean(rows, axis=1, keepdims=True) + jnp.mean(column_means)
-    kernel = gather_rows(rows / n_total, comm) if comm.size > 1 else rows / n_total
+    kernel = _gather_rows(rows / n_total, comm) if comm.size > 1 else rows / n_total
     kernel = kernel + diag_shift * jnp.eye(kernel.shape[0], dtype=kernel.dtype)
     if proj_reg is not None:
         kernel = kernel + proj_reg / n_total  # as NetKet's on-the-fly NTK (per sample, not per row)
@@ -306,3 +306,8 @@ def compute_loss_and_update(driver: Any) -> tuple[Any, Any]:
         momentum=momentum, old_updates=driver._old_updates, chunk_size=driver.chunk_size_bwd,
         use_ntk=driver.use_ntk, comm=comm)
     return driver._loss_stats, driver._dp
+
+
+def _gather_rows(rows: jax.Array, comm: Any) -> jax.Array:
+    """Every rank's rows (counts may differ), concatenated on every rank."""
+    return Partition.of_local_sizes(rows.shape[0], comm).allgather(rows, comm)

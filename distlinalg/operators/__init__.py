@@ -7,16 +7,21 @@ operators from automatic differentiation of a model on sharded data
 samples × samples counterpart for MinSR/SRt; ``hessian``;
 ``gauss_newton``). Every one is a :class:`LinearOperator` with a layout the
 solvers read, and is differentiable with respect to what it closes over.
-Operators are pytrees whose children are their arrays (matrix entries,
-model parameters and samples, shifts): they can be arguments of jitted
-functions and of ``jax.grad``, and compose (``A @ B``, ``A + B``, ``c * A``,
-``.T``, ``.H``).
+Operators are frozen dataclasses registered as pytrees, whose children are
+their arrays (matrix entries, model parameters and samples, shifts): they
+can be arguments of jitted functions and of ``jax.grad``, and compose
+(``A @ B``, ``A + B``, ``c * A``, ``.T``, ``.H``, ``conj()``). The model
+operators apply their model in every product; :func:`linearise` (which the
+solvers call once) linearises it. docs/operators.md: the contract, and how
+to add an operator.
 """
 
-from ._base import LinearOperator, aslinearoperator
+from ._base import LAYOUTS, FunctionOperator, LinearOperator, linearise, operator_class, static
+from ._convert import aslinearoperator
+from ._jacobian import Jacobian, ModelPoint
 from ._partition import Partition
-from .curvature import GaussNewtonOperator, HessianOperator, gauss_newton, hessian
-from .dense import dense_columns, dense_rows
+from .curvature import GaussNewtonOperator, HessianOperator, LossPoint, gauss_newton, hessian
+from .dense import Dense, DenseColumns, DenseColumnsOperator, DenseOperator, DenseRows, DenseRowsOperator, dense_columns, dense_rows
 from .gram import GramOperator, gram
 from .sample_gram import SampleGramOperator, sample_gram
 from .sparse import SparseRowsOperator, sparse_rows
@@ -24,8 +29,18 @@ from .stencil import Laplacian2D, laplacian_2d
 
 __all__ = [
     "LinearOperator",
+    "FunctionOperator",
+    "operator_class",
+    "static",
+    "linearise",
     "aslinearoperator",
     "Partition",
+    "ModelPoint",
+    "Jacobian",
+    "LossPoint",
+    "DenseOperator",
+    "DenseRowsOperator",
+    "DenseColumnsOperator",
     "gram",
     "GramOperator",
     "sample_gram",

@@ -1,124 +1,89 @@
-"""LinearOperator: a matvec with its layout, symmetry, diagonal and transpose.
+"""The operator contract: a linear map with its layout, symmetry, diagonal and transpose.
 
 A distributed operator maps this rank's piece of a vector to this rank's
 piece of the result. In the *replicated* layout every rank holds whole,
 identical vectors; in the *sharded* layout rank r holds block r of a
 global vector (the blocks' sizes may differ), and the matvec communicates
 as it needs. Vectors are pytrees of arrays.
+
+Every operator is a frozen dataclass declared with :func:`operator_class`
+and registered as a pytree once: its array fields are the children (traced
+when it is passed to a jitted function, differentiated by ``jax.grad``
+with respect to it), the fields made with :func:`static` are the tree
+definition, compared by value (so a new operator of the same kind, shapes
+and options reuses a compilation). An operator declares (as fields or
+properties) ``in_structure``/``out_structure`` (:class:`~distlinalg._trees.Structure`
+or None), ``layout``, ``comm`` and the flags ``symmetric``, ``hermitian``,
+``real_linear``, and implements ``_matvec(v)``; ``_transpose_matvec(w)``
+and ``_diagonal()`` when it knows them in closed form. The rest
+(``matvec`` with its output check, ``@``, sums, products, scaling, ``.T``,
+``.H``, ``conj()``, ``real_pairs()``, ``to_dense()``) is written here, once.
+docs/operators.md has the contract and an example.
+
+An operator whose matvec needs a linearisation (the model operators: Gram,
+sample Gram, Hessian, Gauss–Newton) applies the model directly in
+``_matvec``; :func:`linearise` turns it into a plain operator over the
+linearisation, made once. The solvers call it once, in their own trace.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from .. import _trees
 from .._mpi import Communicator, resolve_comm
+from .._trees import Structure
 from ..comm.fused import tree_allreduce
-from ._pairs import stack_complex, unstack_complex
-from ._partition import allgather_blocks, exchange_sizes, partition_of_local_sizes
+from ._partition import exchange_sizes, gather_rows
 
 LAYOUTS = ("replicated", "sharded")
 
 
-def _structure(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+# -- declaring operators -------------------------------------------------------------
+def static(**kwargs: Any) -> Any:
+    """A dataclass field that is static data of the pytree (not a child), compared by value."""
+    metadata = dict(kwargs.pop("metadata", None) or {}, static=True)
+    return dataclasses.field(metadata=metadata, **kwargs)
 
 
-def _zeros(structure: Any) -> Any:
-    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), structure)
+def operator_class(cls: type) -> type:
+    """Declare an operator: a frozen, keyword-only dataclass registered as a pytree.
 
-
-def _conj(tree: Any) -> Any:
-    return jax.tree_util.tree_map(jnp.conj, tree)
-
-
-def _shapes(tree: Any) -> tuple[Any, tuple[tuple[int, ...], ...]] | None:
-    """A vector's tree structure and leaf shapes (None for no structure)."""
-    if tree is None:
-        return None
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef, tuple(tuple(jnp.shape(leaf)) for leaf in leaves)
-
-
-def _describe(tree: Any) -> str:
-    leaves = jax.tree_util.tree_leaves(tree)
-    shapes = ", ".join(f"{jnp.result_type(leaf)}{list(jnp.shape(leaf))}" for leaf in leaves)
-    return shapes if len(leaves) == 1 else f"{jax.tree_util.tree_structure(tree)} of ({shapes})"
-
-
-def _is_complex(structure: Any) -> bool:
-    return any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in jax.tree_util.tree_leaves(structure))
-
-
-def _is_traced(tree: Any) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
-
-
-def _communicates(fn: Callable[[Any], Any], structure: Any) -> bool:
-    """Whether `fn` calls a distlinalg collective (read off its jaxpr at trace time)."""
-    from ..comm._core import MPIEffect
-
-    effects = jax.make_jaxpr(fn)(_zeros(structure)).effects
-    return any(isinstance(e, MPIEffect) for e in effects)
-
-
-class _Static:
-    """The static part of an operator (pytree aux data): its attributes by name.
-
-    jit compares the aux data of its arguments to decide whether it may reuse
-    a compilation. Functions compare by identity (two flattenings of the same
-    operator, or of copies made by unflattening, hold the very same function
-    objects; a closure is never compared by what it captured); values
-    (numbers, strings, dtypes, communicators, and the vector structures: pytrees
-    of ``ShapeDtypeStruct``) by value, so an operator rebuilt with the same
-    functions and new arrays of the same shapes reuses the compilation.
+    Fields made with :func:`static` are the tree definition; the others are
+    children. Unflattening calls the constructor with the fields, so
+    ``__post_init__`` must not compute on children (JAX unflattens with
+    tracers, cotangents and placeholder objects alike).
     """
-
-    __slots__ = ("items",)
-
-    def __init__(self, items: dict[str, Any]):
-        self.items = items
-
-    def _key(self) -> tuple:
-        return tuple(self.items)
-
-    def __eq__(self, other: Any) -> bool:
-        if not isinstance(other, _Static) or self._key() != other._key():
-            return False
-        return all(_same_static(value, other.items[name]) for name, value in self.items.items())
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __repr__(self) -> str:
-        return f"_Static({sorted(self.items)})"
+    cls = dataclasses.dataclass(frozen=True, eq=False, kw_only=True, repr=False)(cls)
+    return jax.tree_util.register_dataclass(cls)
 
 
-_STATIC_VALUES = (str, int, float, complex, bool, np.dtype, jax.ShapeDtypeStruct, Communicator)
+class _OperatorType(type):
+    """``LinearOperator(matvec, ...)``, the constructor of earlier versions, builds
+    a :class:`FunctionOperator`; a user's subclass that is not declared with
+    :func:`operator_class` keeps that constructor (deprecated)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is LinearOperator:
+            return function_operator(*args, **kwargs)
+        if "__dataclass_fields__" not in cls.__dict__:
+            return _legacy_subclass(cls, args, kwargs)
+        return super().__call__(*args, **kwargs)
 
 
-def _same_static(a: Any, b: Any) -> bool:
-    """`a` is `b`, or both are equal values, or equal containers of such."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, _STATIC_VALUES):
-        return bool(a == b)
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same_static(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same_static(a[k], b[k]) for k in a)
-    return False
-
-
-class LinearOperator:
+class LinearOperator(metaclass=_OperatorType):
     """A linear map between pytrees of arrays, possibly across MPI ranks.
+
+    ``LinearOperator(matvec, ...)`` makes one from a function (a
+    :class:`FunctionOperator`).
 
     Args:
       matvec: ``v -> A v`` on this rank's piece of the vector (whole vectors
@@ -138,7 +103,7 @@ class LinearOperator:
         matrix acting on ``[Re v; Im v]``.
       diagonal: the diagonal as a pytree shaped like the vectors, or a
         callable returning it (``diagonal()``, or ``diagonal(data)`` with
-        `data`; computed on first use).
+        `data`).
       transpose: ``w -> Aᵀ w`` (unconjugated; ``transpose(data, w)`` with
         `data`), if known in closed form. Otherwise ``.T`` transposes `matvec`
         with ``jax.linear_transpose`` (the collectives' transpose rules give
@@ -153,17 +118,18 @@ class LinearOperator:
       comm: communicator of the matvec (default distlinalg's).
       name: shown in repr and error messages.
 
-    Pytree: operators are pytrees. The children are `data` (and a diagonal
-    given as arrays); everything else (the functions, structures, layout,
-    flags, communicator, partitions) is static. An operator built from a
-    plain closure (no `data`) has no children: what the closure captures is
-    a constant of every program it is passed into (build it inside the
-    traced function when it should be traced).
+    Pytree: every operator is one (see the module docstring). For a function
+    operator the children are `data` (and a diagonal given as arrays);
+    everything else is static. One built from a plain closure (no `data`)
+    has no children: what the closure captures is a constant of every
+    program it is passed into (build it inside the traced function when it
+    should be traced).
 
     Composition: ``A @ B`` (the product, an operator), ``A @ v`` (the matvec,
     for a vector v: a pytree of arrays), ``A + B``, ``A - B``, ``-A``,
     ``c * A`` (c a scalar, possibly traced: a child of the product), ``A.T``,
-    ``A.H``. Operands must share layout and communicator (else ValueError).
+    ``A.H``, ``A.conj()``. Operands must share layout and communicator (else
+    ValueError).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -177,69 +143,57 @@ class LinearOperator:
       Array([ 8., 10.], dtype=float32)
     """
 
-    # Attributes that are pytree children; subclasses may add their own.
-    _children: tuple[str, ...] = ("_data", "_diagonal_value")
+    # Declared by every operator, as dataclass fields or properties:
+    in_structure: Structure | None
+    out_structure: Structure | None
+    layout: str
+    comm: Communicator
+    symmetric: bool = False
+    hermitian: bool = False
+    real_linear: bool = False
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        jax.tree_util.register_pytree_node(cls, cls._tree_flatten, cls._tree_unflatten)
+    # -- what an operator implements ---------------------------------------------
+    def _matvec(self, v: Any) -> Any:
+        """A v, this rank's piece (no checks: :meth:`matvec` checks)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _matvec")
 
-    def __init__(
-        self,
-        matvec: Callable[..., Any],
-        *,
-        input_structure: Any = None,
-        output_structure: Any = None,
-        layout: str = "replicated",
-        symmetric: bool = False,
-        hermitian: bool = False,
-        real_linear: bool = False,
-        diagonal: Any = None,
-        transpose: Callable[..., Any] | None = None,
-        data: Any = None,
-        comm: Any = None,
-        name: str = "LinearOperator",
-    ):
-        if layout not in LAYOUTS:
-            raise ValueError(f"distlinalg.operators: layout must be one of {LAYOUTS}, got {layout!r}")
-        if not callable(matvec):
-            raise TypeError(f"distlinalg.operators: matvec must be callable, got {type(matvec).__name__}")
-        self._matvec = matvec
-        self._bound = data is not None
-        self._data = data
-        self.input_structure = None if input_structure is None else _structure(input_structure)
-        self.output_structure = (
-            self.input_structure if output_structure is None else _structure(output_structure)
-        )
-        self.layout = layout
-        self.symmetric = bool(symmetric)
-        self.hermitian = bool(hermitian)
-        self.real_linear = bool(real_linear)
-        # A diagonal given as arrays is a child; a callable is static (and
-        # its value, once computed outside any trace, is cached).
-        self._diagonal_fn = diagonal if callable(diagonal) else None
-        self._diagonal_value = None if callable(diagonal) else diagonal
-        self._transpose = transpose
-        self.comm = resolve_comm(comm)
-        self.name = name
+    def _transpose_matvec(self, w: Any) -> Any:
+        """Aᵀ w in closed form, or NotImplemented (then derived by :meth:`transpose_matvec`)."""
+        return NotImplemented
 
-    # -- pytree --------------------------------------------------------------
-    def _tree_flatten(self) -> tuple[tuple[Any, ...], Any]:
-        names = type(self)._children
-        children = tuple(self.__dict__.get(n) for n in names)
-        static = {k: v for k, v in self.__dict__.items() if k not in names}
-        return children, _Static(static)
+    def _diagonal(self) -> Any:
+        raise NotImplementedError(f"distlinalg.operators: {self.name} does not know its diagonal")
 
-    @classmethod
-    def _tree_unflatten(cls, static: _Static, children: tuple[Any, ...]) -> "LinearOperator":
-        op = object.__new__(cls)
-        op.__dict__.update(static.items)
-        op.__dict__.update(zip(cls._children, children))
-        return op
+    @property
+    def has_diagonal(self) -> bool:
+        """Whether :meth:`diagonal` is known (in closed form or computed from the operator's data)."""
+        function = _legacy_function(self)
+        if function is not None:
+            return function.has_diagonal
+        return type(self)._diagonal is not LinearOperator._diagonal
 
-    # -- application -------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """Shown in repr and error messages."""
+        function = _legacy_function(self)
+        return type(self).__name__ if function is None else function.name
+
+    @property
+    def input_structure(self) -> Any:
+        """The input vector's structure on this rank: a pytree of ``jax.ShapeDtypeStruct`` (or None)."""
+        return None if self.in_structure is None else self.in_structure.tree
+
+    @property
+    def output_structure(self) -> Any:
+        """The output's structure on this rank (or None)."""
+        return None if self.out_structure is None else self.out_structure.tree
+
+    # -- application ---------------------------------------------------------------
     def matvec(self, v: Any) -> Any:
         """A v (this rank's piece of the result); ``A @ v`` and ``A(v)`` call it.
+
+        A vector of the declared input structure must map to the declared
+        output structure (a ValueError at trace time otherwise).
 
         Example:
           >>> import jax.numpy as jnp
@@ -248,15 +202,16 @@ class LinearOperator:
           >>> A.matvec(jnp.array([1.0, 1.0]))
           Array([3., 7.], dtype=float32)
         """
-        out = self._matvec(self._data, v) if self._bound else self._matvec(v)
-        if self.output_structure is not None and _shapes(v) == _shapes(self.input_structure):
-            if _shapes(out) != _shapes(self.output_structure):
-                # (output_structure defaults to input_structure: a rectangular
+        out = self._matvec(v)
+        expected = self.out_structure
+        if expected is not None and self.in_structure is not None and self.in_structure.fits(v):
+            if not expected.fits(out):
+                # (out_structure defaults to in_structure: a rectangular
                 # matvec without it would otherwise fail later, inside JAX.)
                 raise ValueError(
-                    f"distlinalg.operators: {self.name}'s matvec maps {_describe(v)} to {_describe(out)}, "
-                    f"but its output_structure is {_describe(self.output_structure)}"
-                    + ("" if self.output_structure is not self.input_structure else
+                    f"distlinalg.operators: {self.name}'s matvec maps {_trees.describe(v)} to "
+                    f"{_trees.describe(out)}, but its output_structure is {expected.describe()}"
+                    + ("" if expected != self.in_structure else
                        " (it defaults to input_structure: pass output_structure= for a rectangular operator)")
                 )
         return out
@@ -269,20 +224,20 @@ class LinearOperator:
             return product(self, other)
         return self.matvec(other)
 
-    def __add__(self, other: Any) -> "LinearOperator":
+    def __add__(self, other: Any) -> LinearOperator:
         if not isinstance(other, LinearOperator):
             return NotImplemented
         return operator_sum(self, other)
 
-    def __sub__(self, other: Any) -> "LinearOperator":
+    def __sub__(self, other: Any) -> LinearOperator:
         if not isinstance(other, LinearOperator):
             return NotImplemented
         return operator_sum(self, scaled(-1, other))
 
-    def __neg__(self) -> "LinearOperator":
+    def __neg__(self) -> LinearOperator:
         return scaled(-1, self)
 
-    def __mul__(self, c: Any) -> "LinearOperator":
+    def __mul__(self, c: Any) -> LinearOperator:
         if isinstance(c, LinearOperator) or jnp.ndim(c) != 0:
             return NotImplemented
         return scaled(c, self)
@@ -293,7 +248,11 @@ class LinearOperator:
         flags = [f for f in ("symmetric", "hermitian", "real_linear") if getattr(self, f)]
         return f"{self.name}(layout={self.layout!r}{''.join(', ' + f for f in flags)})"
 
-    # -- derived operators -------------------------------------------------
+    # -- derived operators ---------------------------------------------------------
+    def _is_own_transpose(self) -> bool:
+        return bool(self.symmetric or (self.hermitian and not self.real_linear
+                                       and not (self.in_structure is not None and self.in_structure.is_complex)))
+
     def transpose_matvec(self, w: Any) -> Any:
         """Aᵀ w (unconjugated), this rank's piece; see :attr:`T`.
 
@@ -304,38 +263,40 @@ class LinearOperator:
           >>> A.transpose_matvec(jnp.array([1.0, 1.0]))  # the same as A.T @ w
           Array([4., 6.], dtype=float32)
         """
-        if self._transpose is not None:
-            return self._transpose(self._data, w) if self._bound else self._transpose(w)
-        if self.symmetric or (self.hermitian and not self.real_linear and not _is_complex(self.input_structure)):
+        result = self._transpose_matvec(w)
+        if result is not NotImplemented:
+            return result
+        if self._is_own_transpose():
             return self.matvec(w)
         if self.hermitian and not self.real_linear:
-            return _conj(self.matvec(_conj(w)))
-        if self.output_structure is None or self.input_structure is None:
+            return _trees.conj(self.matvec(_trees.conj(w)))
+        if self.in_structure is None:
             raise ValueError(
                 f"distlinalg.operators: {self.name}.T needs input_structure (or an explicit "
                 "transpose) to transpose the matvec"
             )
         (result,) = jax.linear_transpose(self.matvec, self.input_structure)(w)
-        if self.layout == "replicated" and self.comm.size > 1 and _communicates(self.matvec, self.input_structure):
+        if self.layout == "replicated" and self.comm.size > 1 and _communicates(self.matvec, self.in_structure):
             # The whole-program adjoint hands rank r its share of Aᵀ (e.g.
             # A_rᵀ Σ_s w_s for y = allreduce(A_r x)); the matrix transpose
             # every rank holds is their mean (docs/ad.md, "replicated
             # operators"). A rank-local matvec already gives Aᵀ w.
-            result = jax.tree_util.tree_map(lambda t: t / self.comm.size, tree_allreduce(result, comm=self.comm))
+            result = _trees.tree_map(lambda t: t / self.comm.size, tree_allreduce(result, comm=self.comm))
         return result
 
     @property
-    def T(self) -> "LinearOperator":
+    def T(self) -> LinearOperator:
         """Aᵀ (unconjugated), as an operator in the same layout.
 
-        A closed-form `transpose` is used when given; symmetric (and real
-        Hermitian) operators are their own transpose. Otherwise the matvec is
-        transposed with ``jax.linear_transpose``. Sharded layout: that is
-        the block of Aᵀ w this rank owns. Replicated layout, matvec that
-        communicates: rank r's result is its share of the whole-program
-        adjoint (docs/ad.md), not Aᵀ w; ``.T`` returns its mean over ranks,
-        which is Aᵀ w for the matrix A every rank applies (one allreduce per
-        matvec of the transpose). AD: differentiable like the matvec.
+        A closed-form transpose is used when the operator has one; symmetric
+        (and real Hermitian) operators are their own transpose. Otherwise
+        the matvec is transposed with ``jax.linear_transpose``. Sharded
+        layout: that is the block of Aᵀ w this rank owns. Replicated layout,
+        matvec that communicates: rank r's result is its share of the
+        whole-program adjoint (docs/ad.md), not Aᵀ w; ``.T`` returns its
+        mean over ranks, which is Aᵀ w for the matrix A every rank applies
+        (one allreduce per matvec of the transpose). AD: differentiable like
+        the matvec.
 
         Example:
           >>> import jax.numpy as jnp
@@ -347,25 +308,12 @@ class LinearOperator:
           >>> bool(jnp.allclose(A.T.to_dense(), M.T))
           True
         """
-        if self.symmetric or (self.hermitian and not self.real_linear and not _is_complex(self.input_structure)):
+        if self._is_own_transpose():
             return self
-        return LinearOperator(
-            _transposed_matvec,
-            data=self,
-            transpose=_plain_matvec,
-            input_structure=self.output_structure,
-            output_structure=self.input_structure,
-            layout=self.layout,
-            symmetric=self.symmetric,
-            hermitian=self.hermitian,
-            real_linear=self.real_linear,
-            diagonal=_operand_diagonal if self._has_diagonal() else None,
-            comm=self.comm,
-            name=f"{self.name}.T",
-        )
+        return TransposedOperator(operand=self)
 
     @property
-    def H(self) -> "LinearOperator":
+    def H(self) -> LinearOperator:
         """Aᴴ (conjugate transpose): w ↦ conj(Aᵀ conj(w)); see :attr:`T`.
 
         Example:
@@ -380,23 +328,36 @@ class LinearOperator:
         """
         if self.hermitian:
             return self
-        return LinearOperator(
-            _adjoint_matvec,
-            data=self,
-            transpose=_conjugated_matvec,
-            input_structure=self.output_structure,
-            output_structure=self.input_structure,
-            layout=self.layout,
-            real_linear=self.real_linear,
-            diagonal=_conjugated_diagonal if self._has_diagonal() else None,
-            comm=self.comm,
-            name=f"{self.name}.H",
-        )
+        return AdjointOperator(operand=self)
 
-    # -- structure ---------------------------------------------------------
-    def _has_diagonal(self) -> bool:
-        return self._diagonal_fn is not None or self._diagonal_value is not None
+    def conj(self) -> LinearOperator:
+        """The entrywise conjugate Ā: v ↦ conj(A conj(v)).
 
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from distlinalg.operators import aslinearoperator
+          >>> M = jnp.array([[1.0 + 1.0j, 2.0], [0.0, 3.0j]])
+          >>> bool(jnp.allclose(aslinearoperator(M).conj().to_dense(), M.conj()))
+          True
+        """
+        return ConjugatedOperator(operand=self)
+
+    def real_pairs(self, like: Any) -> LinearOperator:
+        """A real-linear operator on complex vectors shaped like `like`, as the
+        real linear operator on their (Re, Im) pairs (what the solvers run on),
+        in the same layout and communicator.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from distlinalg.operators import LinearOperator
+          >>> A = LinearOperator(jnp.conj, input_structure=jnp.zeros(2, complex), real_linear=True)
+          >>> P = A.real_pairs(jnp.zeros(2, complex))   # (Re v, Im v) ↦ (Re v, −Im v)
+          >>> [x.tolist() for x in P @ (jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0]))]
+          [[1.0, 2.0], [-3.0, -4.0]]
+        """
+        return PairedOperator(operand=self, like=Structure.of(like))
+
+    # -- structure -----------------------------------------------------------------
     def diagonal(self) -> Any:
         """The diagonal, shaped like the vectors (this rank's block when sharded).
 
@@ -409,16 +370,7 @@ class LinearOperator:
           >>> LinearOperator(lambda v: d * v, diagonal=d).diagonal()  # or a callable returning it
           Array([1., 2., 3.], dtype=float32)
         """
-        if self._diagonal_value is not None:
-            return self._diagonal_value
-        if self._diagonal_fn is None:
-            raise NotImplementedError(f"distlinalg.operators: {self.name} does not know its diagonal")
-        value = self._diagonal_fn(self._data) if self._bound else self._diagonal_fn()
-        if not self._bound and not _is_traced(value):
-            # Cached only when concrete (a traced value must not outlive its
-            # trace) and not computed from children (which may be replaced).
-            self._diagonal_value = value
-        return value
+        return self._diagonal()
 
     def to_dense(self) -> jax.Array:
         """The global matrix, identical on every rank: for small problems and tests.
@@ -427,7 +379,7 @@ class LinearOperator:
         order), in the sharded layout rank 0's block first. A real-linear
         operator gives the real matrix acting on ``[Re v; Im v]``. Every rank
         must call it together (sharded layout: it exchanges block sizes and
-        gathers the rows).
+        gathers the rows). The operator is linearised first (:func:`linearise`).
 
         Example:
           >>> import jax.numpy as jnp
@@ -439,26 +391,23 @@ class LinearOperator:
           >>> bool(jnp.array_equal(A.to_dense(), M))    # the whole matrix, on every rank
           True
         """
-        if self.input_structure is None:
+        if self.in_structure is None:
             raise ValueError(f"distlinalg.operators: {self.name}.to_dense needs input_structure")
-        example_in = _zeros(self.input_structure)
-        flat_in, unravel_in = ravel_pytree(example_in)
-        real_pairs = self.real_linear and jnp.iscomplexobj(flat_in)
-        if real_pairs:
-            n_in = flat_in.size
+        apply = linearise(self).matvec
+        flat_in, unravel_in = ravel_pytree(self.in_structure.zeros())
+        if self.real_linear and jnp.iscomplexobj(flat_in):
             basis_dtype = jnp.real(flat_in).dtype
 
             def column(e: Any) -> Any:
-                out, _ = ravel_pytree(self.matvec(unravel_in(unstack_complex(e, flat_in.dtype))))
-                return stack_complex(out)
+                out, _ = ravel_pytree(apply(unravel_in(_trees.unstack_complex(e, flat_in.dtype))))
+                return _trees.stack_complex(out)
 
-            local_in = 2 * n_in
+            local_in = 2 * flat_in.size
         else:
             basis_dtype = flat_in.dtype
 
             def column(e: Any) -> Any:
-                out, _ = ravel_pytree(self.matvec(unravel_in(e)))
-                return out
+                return ravel_pytree(apply(unravel_in(e)))[0]
 
             local_in = flat_in.size
 
@@ -466,39 +415,199 @@ class LinearOperator:
             return jax.vmap(column)(jnp.eye(local_in, dtype=basis_dtype)).T
         sizes = exchange_sizes(local_in, self.comm)
         offset = int(sizes[: self.comm.rank].sum())
-        total = int(sizes.sum())
-        basis = jnp.eye(total, dtype=basis_dtype)[:, offset : offset + local_in]
+        basis = jnp.eye(int(sizes.sum()), dtype=basis_dtype)[:, offset : offset + local_in]
         rows = jax.vmap(column)(basis).T  # (this rank's outputs, total)
         return gather_rows(rows, self.comm)
 
 
+def _communicates(fn: Callable[[Any], Any], structure: Structure) -> bool:
+    """Whether `fn` calls a distlinalg collective (read off its jaxpr at trace time)."""
+    from ..comm._core import MPIEffect
+
+    effects = jax.make_jaxpr(fn)(structure.zeros()).effects
+    return any(isinstance(e, MPIEffect) for e in effects)
 
 
-# -- the functions of derived operators (module level: they are static data) --
-def _transposed_matvec(op: LinearOperator, w: Any) -> Any:
-    return op.transpose_matvec(w)
+# -- linearisation -------------------------------------------------------------------
+@functools.singledispatch
+def linearise(operator: LinearOperator) -> LinearOperator:
+    """The operator with what its matvec derives from its data computed once.
+
+    For operators whose matvec applies a model (the Gram operators, the
+    Hessian, the Gauss–Newton matrix) this evaluates the model once,
+    ``jax.linearize``-style, in the current trace, and returns a plain
+    operator over that linearisation (its products are JVPs and VJPs only);
+    for every other operator it is the operator itself, and compositions
+    are linearised operand by operand. Idempotent. The solvers call it once
+    in their own trace, before their loops; call it yourself before
+    applying a model operator many times.
+
+    Args:
+      operator: a :class:`LinearOperator`.
+
+    Returns:
+      A :class:`LinearOperator` with the same products, layout and flags.
+      AD: differentiable with respect to what the operator closes over, like
+      the operator; the linearisation belongs to the trace it is made in
+      (use it there).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import gram, linearise
+      >>> f = lambda w, x: jnp.tanh(x @ w)
+      >>> x = jax.random.normal(jax.random.PRNGKey(comm.rank()), (4, 3))
+      >>> S = gram(f, jnp.array([0.5, -0.3, 0.2]), x, diag_shift=1e-2)
+      >>> L = linearise(S)                           # the model evaluated here, once
+      >>> bool(jnp.allclose(L @ jnp.ones(3), S @ jnp.ones(3))), linearise(L) is L
+      (True, True)
+    """
+    return operator
 
 
-def _plain_matvec(op: LinearOperator, v: Any) -> Any:
-    return op.matvec(v)
+# -- an operator from functions --------------------------------------------------------
+@operator_class
+class FunctionOperator(LinearOperator):
+    """An operator made of functions: what ``LinearOperator(matvec, ...)`` returns.
+
+    Fields (see :class:`LinearOperator` for the arguments of its constructor):
+      data: the children, passed to the functions first when `bound`.
+      diagonal_value: the diagonal as arrays (a child), or None.
+      fn, transpose_fn, diagonal_fn: static functions (compared by identity).
+      linearisation: what the functions close over when the operator is the
+        result of :func:`linearise` (e.g. the model's Jacobian), else None.
+    """
+
+    fn: Callable[..., Any] = static()
+    data: Any = None
+    bound: bool = static(default=False)
+    transpose_fn: Callable[..., Any] | None = static(default=None)
+    diagonal_fn: Callable[..., Any] | None = static(default=None)
+    diagonal_value: Any = None
+    in_structure: Structure | None = static(default=None)
+    out_structure: Structure | None = static(default=None)
+    layout: str = static(default="replicated")
+    symmetric: bool = static(default=False)
+    hermitian: bool = static(default=False)
+    real_linear: bool = static(default=False)
+    comm: Communicator = static(default=None)
+    label: str = static(default="LinearOperator")
+    linearisation: Any = static(default=None)
+
+    @property
+    def name(self) -> str:
+        return self.label
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(self.data, *args) if self.bound else fn(*args)
+
+    def _matvec(self, v: Any) -> Any:
+        return self._call(self.fn, v)
+
+    def _transpose_matvec(self, w: Any) -> Any:
+        return NotImplemented if self.transpose_fn is None else self._call(self.transpose_fn, w)
+
+    @property
+    def has_diagonal(self) -> bool:
+        return self.diagonal_value is not None or self.diagonal_fn is not None
+
+    def _diagonal(self) -> Any:
+        if self.diagonal_value is not None:
+            return self.diagonal_value
+        if self.diagonal_fn is None:
+            return LinearOperator._diagonal(self)
+        return self._call(self.diagonal_fn)
 
 
-def _adjoint_matvec(op: LinearOperator, w: Any) -> Any:
-    return _conj(op.transpose_matvec(_conj(w)))
+def function_operator(
+    matvec: Callable[..., Any],
+    *,
+    input_structure: Any = None,
+    output_structure: Any = None,
+    layout: str = "replicated",
+    symmetric: bool = False,
+    hermitian: bool = False,
+    real_linear: bool = False,
+    diagonal: Any = None,
+    transpose: Callable[..., Any] | None = None,
+    data: Any = None,
+    comm: Any = None,
+    name: str = "LinearOperator",
+    linearisation: Any = None,
+) -> FunctionOperator:
+    """``LinearOperator(matvec, ...)``: the arguments checked and normalised (see :class:`LinearOperator`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"distlinalg.operators: layout must be one of {LAYOUTS}, got {layout!r}")
+    if not callable(matvec):
+        raise TypeError(f"distlinalg.operators: matvec must be callable, got {type(matvec).__name__}")
+    in_structure = _trees.structure_of(input_structure)
+    return FunctionOperator(
+        fn=matvec, data=data, bound=data is not None, transpose_fn=transpose,
+        diagonal_fn=diagonal if callable(diagonal) else None,
+        diagonal_value=None if callable(diagonal) else diagonal,
+        in_structure=in_structure,
+        out_structure=in_structure if output_structure is None else Structure.of(output_structure),
+        layout=layout, symmetric=bool(symmetric), hermitian=bool(hermitian), real_linear=bool(real_linear),
+        comm=resolve_comm(comm), label=name, linearisation=linearisation,
+    )
 
 
-def _conjugated_matvec(op: LinearOperator, v: Any) -> Any:
-    return _conj(op.matvec(_conj(v)))
+# -- a user's subclass in the style of earlier versions (deprecated) --------------------
+_LEGACY_FIELDS = ("in_structure", "out_structure", "layout", "comm", "symmetric", "hermitian", "real_linear")
+_LEGACY_HOOKS = ("_matvec", "_transpose_matvec", "_diagonal")
+_LEGACY_REGISTERED: set[type] = set()
 
 
-def _operand_diagonal(op: LinearOperator) -> Any:
-    return op.diagonal()
+class _LegacyAux:
+    """The static part of a legacy subclass's instance: the user's own attributes (by identity)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: dict[str, Any]):
+        self.items = items
+
+    def __eq__(self, other: Any) -> bool:
+        return (isinstance(other, _LegacyAux) and self.items.keys() == other.items.keys()
+                and all(a is b for a, b in zip(self.items.values(), other.items.values())))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.items))
 
 
-def _conjugated_diagonal(op: LinearOperator) -> Any:
-    return _conj(op.diagonal())
+def _legacy_subclass(cls: type, args: tuple, kwargs: dict) -> LinearOperator:
+    """An instance of a user's plain subclass of LinearOperator, built with the
+    function constructor: it holds a :class:`FunctionOperator` and reads its
+    fields and hooks (the user's methods may override them and call super())."""
+    if cls not in _LEGACY_REGISTERED:
+        warnings.warn(f"distlinalg.operators: {cls.__name__} subclasses LinearOperator without "
+                      "@operator_class: declare its fields (docs/operators.md)", DeprecationWarning, stacklevel=3)
+        jax.tree_util.register_pytree_node(cls, _legacy_flatten, functools.partial(_legacy_unflatten, cls))
+        _LEGACY_REGISTERED.add(cls)
+    return _legacy_instance(cls, {}, function_operator(*args, **kwargs))
 
 
+def _legacy_instance(cls: type, items: dict[str, Any], function: FunctionOperator) -> LinearOperator:
+    op = object.__new__(cls)
+    op.__dict__.update(items)
+    op.__dict__["_function"] = function
+    op.__dict__.update({name: getattr(function, name) for name in _LEGACY_FIELDS + _LEGACY_HOOKS})
+    return op
+
+
+def _legacy_flatten(op: Any) -> tuple[tuple[Any], _LegacyAux]:
+    own = {k: v for k, v in vars(op).items() if k not in ("_function", *_LEGACY_FIELDS, *_LEGACY_HOOKS)}
+    return (op.__dict__["_function"],), _LegacyAux(own)
+
+
+def _legacy_unflatten(cls: type, aux: _LegacyAux, children: tuple[Any]) -> Any:
+    return _legacy_instance(cls, aux.items, children[0])
+
+
+def _legacy_function(op: Any) -> FunctionOperator | None:
+    return getattr(op, "__dict__", {}).get("_function")
+
+
+# -- composition ---------------------------------------------------------------------------
 def _check_compatible(a: LinearOperator, b: LinearOperator, what: str) -> None:
     if a.layout != b.layout:
         raise ValueError(f"distlinalg.operators: {what} of operators in different layouts "
@@ -511,77 +620,304 @@ def _check_compatible(a: LinearOperator, b: LinearOperator, what: str) -> None:
                          f"({a.name}, {b.name})")
 
 
-def _same_structure(x: Any, y: Any) -> bool:
-    if x is None or y is None:
-        return True
-    return jax.tree_util.tree_structure(x) == jax.tree_util.tree_structure(y) and all(
-        (a.shape, a.dtype) == (b.shape, b.dtype) for a, b in zip(jax.tree_util.tree_leaves(x),
-                                                                 jax.tree_util.tree_leaves(y)))
+def _same_structure(x: Structure | None, y: Structure | None) -> bool:
+    return x is None or y is None or x == y
+
+
+@operator_class
+class _Unary(LinearOperator):
+    """An operator derived from one other (its only child)."""
+
+    operand: LinearOperator
+
+    @property
+    def layout(self) -> str:
+        return self.operand.layout
+
+    @property
+    def comm(self) -> Communicator:
+        return self.operand.comm
+
+    @property
+    def real_linear(self) -> bool:
+        return self.operand.real_linear
+
+    @property
+    def has_diagonal(self) -> bool:
+        return self.operand.has_diagonal
+
+
+@operator_class
+class TransposedOperator(_Unary):
+    """Aᵀ (see :attr:`LinearOperator.T`)."""
+
+    @property
+    def in_structure(self) -> Structure | None:
+        return self.operand.out_structure
+
+    @property
+    def out_structure(self) -> Structure | None:
+        return self.operand.in_structure
+
+    @property
+    def symmetric(self) -> bool:
+        return self.operand.symmetric
+
+    @property
+    def hermitian(self) -> bool:
+        return self.operand.hermitian
+
+    @property
+    def name(self) -> str:
+        return f"{self.operand.name}.T"
+
+    def _matvec(self, v: Any) -> Any:
+        return self.operand.transpose_matvec(v)
+
+    def _transpose_matvec(self, w: Any) -> Any:
+        return self.operand.matvec(w)
+
+    def _diagonal(self) -> Any:
+        return self.operand.diagonal()
+
+
+@operator_class
+class AdjointOperator(_Unary):
+    """Aᴴ (see :attr:`LinearOperator.H`)."""
+
+    @property
+    def in_structure(self) -> Structure | None:
+        return self.operand.out_structure
+
+    @property
+    def out_structure(self) -> Structure | None:
+        return self.operand.in_structure
+
+    @property
+    def name(self) -> str:
+        return f"{self.operand.name}.H"
+
+    def _matvec(self, w: Any) -> Any:
+        return _trees.conj(self.operand.transpose_matvec(_trees.conj(w)))
+
+    def _transpose_matvec(self, v: Any) -> Any:
+        return _trees.conj(self.operand.matvec(_trees.conj(v)))
+
+    def _diagonal(self) -> Any:
+        return _trees.conj(self.operand.diagonal())
+
+
+@operator_class
+class ConjugatedOperator(_Unary):
+    """Ā: v ↦ conj(A conj(v)) (see :meth:`LinearOperator.conj`)."""
+
+    @property
+    def in_structure(self) -> Structure | None:
+        return self.operand.in_structure
+
+    @property
+    def out_structure(self) -> Structure | None:
+        return self.operand.out_structure
+
+    @property
+    def symmetric(self) -> bool:
+        return self.operand.symmetric
+
+    @property
+    def hermitian(self) -> bool:
+        return self.operand.hermitian
+
+    @property
+    def name(self) -> str:
+        return f"conj({self.operand.name})"
+
+    def _matvec(self, v: Any) -> Any:
+        return _trees.conj(self.operand.matvec(_trees.conj(v)))
+
+    def _transpose_matvec(self, w: Any) -> Any:
+        return _trees.conj(self.operand.transpose_matvec(_trees.conj(w)))
+
+    def _diagonal(self) -> Any:
+        return _trees.conj(self.operand.diagonal())
+
+
+@operator_class
+class PairedOperator(_Unary):
+    """A real-linear operator as the real operator on (Re v, Im v) pairs
+    (see :meth:`LinearOperator.real_pairs`); `like` is the complex vectors' structure."""
+
+    like: Structure = static()
+
+    @property
+    def in_structure(self) -> Structure:
+        return Structure.of(jax.eval_shape(_trees.split_complex, self.like.tree))
+
+    @property
+    def out_structure(self) -> Structure:
+        return self.in_structure
+
+    @property
+    def real_linear(self) -> bool:
+        return False
+
+    @property
+    def has_diagonal(self) -> bool:
+        return False
+
+    @property
+    def name(self) -> str:
+        return f"Paired({self.operand.name})"
+
+    def _matvec(self, pair: Any) -> Any:
+        return _trees.split_complex(self.operand.matvec(_trees.join_complex(pair, self.like.tree)))
+
+
+@operator_class
+class ProductOperator(LinearOperator):
+    """``A @ B``: v ↦ A (B v). ``(A B)ᵀ = Bᵀ Aᵀ``."""
+
+    left: LinearOperator
+    right: LinearOperator
+
+    @property
+    def in_structure(self) -> Structure | None:
+        return self.right.in_structure
+
+    @property
+    def out_structure(self) -> Structure | None:
+        return self.left.out_structure
+
+    @property
+    def layout(self) -> str:
+        return self.left.layout
+
+    @property
+    def comm(self) -> Communicator:
+        return self.left.comm
+
+    @property
+    def real_linear(self) -> bool:
+        return self.left.real_linear
+
+    @property
+    def name(self) -> str:
+        return f"({self.left.name} @ {self.right.name})"
+
+    def _matvec(self, v: Any) -> Any:
+        return self.left.matvec(self.right.matvec(v))
+
+    def _transpose_matvec(self, w: Any) -> Any:
+        return self.right.transpose_matvec(self.left.transpose_matvec(w))
+
+
+@operator_class
+class SumOperator(LinearOperator):
+    """``A + B``; symmetric/Hermitian when both are, diagonal when both know it."""
+
+    left: LinearOperator
+    right: LinearOperator
+
+    @property
+    def in_structure(self) -> Structure | None:
+        return self.left.in_structure if self.left.in_structure is not None else self.right.in_structure
+
+    @property
+    def out_structure(self) -> Structure | None:
+        return self.left.out_structure if self.left.out_structure is not None else self.right.out_structure
+
+    @property
+    def layout(self) -> str:
+        return self.left.layout
+
+    @property
+    def comm(self) -> Communicator:
+        return self.left.comm
+
+    @property
+    def symmetric(self) -> bool:
+        return self.left.symmetric and self.right.symmetric
+
+    @property
+    def hermitian(self) -> bool:
+        return self.left.hermitian and self.right.hermitian
+
+    @property
+    def real_linear(self) -> bool:
+        return self.left.real_linear
+
+    @property
+    def has_diagonal(self) -> bool:
+        return self.left.has_diagonal and self.right.has_diagonal
+
+    @property
+    def name(self) -> str:
+        return f"({self.left.name} + {self.right.name})"
+
+    def _matvec(self, v: Any) -> Any:
+        return _trees.add(self.left.matvec(v), self.right.matvec(v))
+
+    def _transpose_matvec(self, w: Any) -> Any:
+        return _trees.add(self.left.transpose_matvec(w), self.right.transpose_matvec(w))
+
+    def _diagonal(self) -> Any:
+        return _trees.add(self.left.diagonal(), self.right.diagonal())
+
+
+@operator_class
+class ScaledOperator(_Unary):
+    """``c * A`` for a scalar c (a child: possibly traced, differentiated)."""
+
+    scale: Any
+
+    @property
+    def in_structure(self) -> Structure | None:
+        return self.operand.in_structure
+
+    @property
+    def out_structure(self) -> Structure | None:
+        return self.operand.out_structure
+
+    @property
+    def symmetric(self) -> bool:
+        return self.operand.symmetric
+
+    @property
+    def hermitian(self) -> bool:
+        return self.operand.hermitian and not jnp.issubdtype(jnp.result_type(self.scale), jnp.complexfloating)
+
+    @property
+    def name(self) -> str:
+        return f"c * {self.operand.name}"
+
+    def _matvec(self, v: Any) -> Any:
+        return _trees.scale(self.scale, self.operand.matvec(v))
+
+    def _transpose_matvec(self, w: Any) -> Any:
+        return _trees.scale(self.scale, self.operand.transpose_matvec(w))
+
+    def _diagonal(self) -> Any:
+        return _trees.scale(self.scale, self.operand.diagonal())
 
 
 def product(a: LinearOperator, b: LinearOperator) -> LinearOperator:
-    """``A @ B``: v ↦ A (B v), an operator whose children are A's and B's.
+    """``A @ B``: v ↦ A (B v), an operator whose children are A and B.
 
     Same layout and communicator required (ValueError otherwise); B's
-    output structure must be A's input structure. ``(A B)ᵀ = Bᵀ Aᵀ``.
+    output structure must be A's input structure.
     """
     _check_compatible(a, b, "the product")
-    if not _same_structure(b.output_structure, a.input_structure):
+    if not _same_structure(b.out_structure, a.in_structure):
         raise ValueError(f"distlinalg.operators: {a.name} @ {b.name}: the output of {b.name} "
                          f"({b.output_structure}) is not the input of {a.name} ({a.input_structure})")
-    return LinearOperator(
-        _product_matvec,
-        data=(a, b),
-        transpose=_product_transpose,
-        input_structure=b.input_structure,
-        output_structure=a.output_structure,
-        layout=a.layout,
-        real_linear=a.real_linear,
-        comm=a.comm,
-        name=f"({a.name} @ {b.name})",
-    )
-
-
-def _product_matvec(ops: tuple, v: Any) -> Any:
-    return ops[0].matvec(ops[1].matvec(v))
-
-
-def _product_transpose(ops: tuple, w: Any) -> Any:
-    return ops[1].transpose_matvec(ops[0].transpose_matvec(w))
+    return ProductOperator(left=a, right=b)
 
 
 def operator_sum(a: LinearOperator, b: LinearOperator) -> LinearOperator:
-    """``A + B``; symmetric/Hermitian when both are, diagonal when both know it."""
+    """``A + B`` (same layout, communicator and structures; ValueError otherwise)."""
     _check_compatible(a, b, "the sum")
-    if not (_same_structure(a.input_structure, b.input_structure)
-            and _same_structure(a.output_structure, b.output_structure)):
+    if not (_same_structure(a.in_structure, b.in_structure) and _same_structure(a.out_structure, b.out_structure)):
         raise ValueError(f"distlinalg.operators: {a.name} + {b.name}: the operators map different structures")
-    return LinearOperator(
-        _sum_matvec,
-        data=(a, b),
-        transpose=_sum_transpose,
-        input_structure=a.input_structure if a.input_structure is not None else b.input_structure,
-        output_structure=a.output_structure if a.output_structure is not None else b.output_structure,
-        layout=a.layout,
-        symmetric=a.symmetric and b.symmetric,
-        hermitian=a.hermitian and b.hermitian,
-        real_linear=a.real_linear,
-        diagonal=_sum_diagonal if a._has_diagonal() and b._has_diagonal() else None,
-        comm=a.comm,
-        name=f"({a.name} + {b.name})",
-    )
-
-
-def _sum_matvec(ops: tuple, v: Any) -> Any:
-    return jax.tree_util.tree_map(jnp.add, ops[0].matvec(v), ops[1].matvec(v))
-
-
-def _sum_transpose(ops: tuple, w: Any) -> Any:
-    return jax.tree_util.tree_map(jnp.add, ops[0].transpose_matvec(w), ops[1].transpose_matvec(w))
-
-
-def _sum_diagonal(ops: tuple) -> Any:
-    return jax.tree_util.tree_map(jnp.add, ops[0].diagonal(), ops[1].diagonal())
+    return SumOperator(left=a, right=b)
 
 
 def scaled(c: Any, a: LinearOperator) -> LinearOperator:
@@ -592,119 +928,19 @@ def scaled(c: Any, a: LinearOperator) -> LinearOperator:
     """
     if jnp.ndim(c) != 0:
         raise ValueError(f"distlinalg.operators: an operator can be scaled by a scalar only, got shape {jnp.shape(c)}")
-    real = not jnp.issubdtype(jnp.result_type(c), jnp.complexfloating)
-    return LinearOperator(
-        _scaled_matvec,
-        data=(c, a),
-        transpose=_scaled_transpose,
-        input_structure=a.input_structure,
-        output_structure=a.output_structure,
-        layout=a.layout,
-        symmetric=a.symmetric,
-        hermitian=a.hermitian and real,
-        real_linear=a.real_linear,
-        diagonal=_scaled_diagonal if a._has_diagonal() else None,
-        comm=a.comm,
-        name=f"c * {a.name}",
-    )
+    return ScaledOperator(scale=c, operand=a)
 
 
-def _scale_tree(c: Any, tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x: (c * x).astype(jnp.result_type(x, c)), tree)
+@linearise.register
+def _linearise_unary(operator: _Unary) -> LinearOperator:
+    inner = linearise(operator.operand)
+    return operator if inner is operator.operand else dataclasses.replace(operator, operand=inner)
 
 
-def _scaled_matvec(data: tuple, v: Any) -> Any:
-    c, a = data
-    return _scale_tree(c, a.matvec(v))
-
-
-def _scaled_transpose(data: tuple, w: Any) -> Any:
-    c, a = data
-    return _scale_tree(c, a.transpose_matvec(w))
-
-
-def _scaled_diagonal(data: tuple) -> Any:
-    c, a = data
-    return _scale_tree(c, a.diagonal())
-
-
-jax.tree_util.register_pytree_node(LinearOperator, LinearOperator._tree_flatten, LinearOperator._tree_unflatten)
-
-
-def gather_rows(rows: jax.Array, comm: Communicator) -> jax.Array:
-    """Concatenate every rank's rows (counts may differ) on every rank."""
-    return allgather_blocks(rows, partition_of_local_sizes(rows.shape[0], comm), comm)
-
-
-def aslinearoperator(A: Any, *, layout: str = "replicated", comm: Any = None) -> LinearOperator:
-    """A LinearOperator from an operator, a callable, a dense replicated matrix,
-    or any object with ``__matmul__``.
-
-    * a LinearOperator: returned as it is (it keeps its own layout);
-    * a callable ``v -> A v``: an operator with that matvec in `layout`, with
-      no children (what it closes over is a constant of the programs the
-      operator is passed into);
-    * a NumPy or JAX (M, N) matrix: a replicated operator whose child is the
-      matrix (traced when the operator is passed to a jitted function), with
-      its diagonal and transpose, applied at the highest matmul precision (as
-      jax.scipy's solvers apply matrices);
-    * another object with ``__matmul__`` (a SciPy sparse matrix, a lineax
-      operator wrapper, ...): ``v -> A @ v`` in `layout`.
-
-    Args:
-      A: what to wrap (see above).
-      layout: ``"replicated"`` or ``"sharded"`` for callables and ``__matmul__``
-        objects; a dense array is replicated (a ValueError otherwise: a matrix
-        split by rows is :func:`distlinalg.operators.dense_rows`).
-      comm: mpi4py communicator (default distlinalg's).
-
-    Returns:
-      A :class:`LinearOperator`; anything else is a TypeError.
-
-    AD: a dense operator is differentiable with respect to its matrix; a
-    callable with respect to what it closes over when it is called inside the
-    differentiated function.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from distlinalg.operators import aslinearoperator
-      >>> A = aslinearoperator(jnp.array([[2.0, 1.0], [1.0, 3.0]]))
-      >>> A @ jnp.ones(2)
-      Array([3., 4.], dtype=float32)
-      >>> A.diagonal()
-      Array([2., 3.], dtype=float32)
-    """
-    if isinstance(A, LinearOperator):
-        return A
-    if layout not in LAYOUTS:
-        raise ValueError(f"distlinalg.operators: layout must be one of {LAYOUTS}, got {layout!r}")
-    if callable(A):
-        return LinearOperator(A, layout=layout, comm=comm)
-    if isinstance(A, (np.ndarray, jax.Array)):
-        matrix = jnp.asarray(A)
-        if matrix.ndim != 2:
-            raise ValueError(f"distlinalg.operators: a dense operator must be a matrix, got shape {matrix.shape}")
-        if layout != "replicated":
-            raise ValueError("distlinalg.operators: a dense array is replicated; use dense_rows for row blocks")
-        return LinearOperator(
-            _dense_matvec,
-            data=matrix,
-            input_structure=jax.ShapeDtypeStruct((matrix.shape[1],), matrix.dtype),
-            output_structure=jax.ShapeDtypeStruct((matrix.shape[0],), matrix.dtype),
-            diagonal=jnp.diagonal if matrix.shape[0] == matrix.shape[1] else None,
-            transpose=_dense_transpose,
-            comm=comm,
-            name="DenseOperator",
-        )
-    if hasattr(A, "__matmul__"):
-        return LinearOperator(lambda v: A @ v, layout=layout, comm=comm, name=f"MatmulOperator({type(A).__name__})")
-    raise TypeError(f"distlinalg.operators: cannot make a linear operator of {A!r}: pass a LinearOperator, "
-                    "a callable, a 2-D array or an object with __matmul__")
-
-
-def _dense_matvec(matrix: jax.Array, v: Any) -> Any:
-    return jnp.matmul(matrix, v, precision=jax.lax.Precision.HIGHEST)
-
-
-def _dense_transpose(matrix: jax.Array, w: Any) -> Any:
-    return jnp.matmul(matrix.T, w, precision=jax.lax.Precision.HIGHEST)
+@linearise.register(ProductOperator)
+@linearise.register(SumOperator)
+def _linearise_binary(operator: Any) -> LinearOperator:
+    left, right = linearise(operator.left), linearise(operator.right)
+    if left is operator.left and right is operator.right:
+        return operator
+    return dataclasses.replace(operator, left=left, right=right)

@@ -25,18 +25,23 @@ two modes, so for real parameters S = Re(OᴴO)/N in "complex" mode whatever
 the output. The default mode is NetKet's choice: "complex" for a complex
 output, else "real".
 
-The model is a pytree (children: params and this rank's samples; static:
-f, the mode, every rank's sample count, the structures), and so are the
-operators built on it (:class:`LinearisedOperator`): their linearisation is
-derived from the children once per trace (:class:`TraceLocal`), never
-stored as static data, and rebuilding them from their children computes
-and communicates nothing.
+Two pieces:
+
+* :class:`ModelPoint`, the point the model is expanded at: declared data
+  (children: params and this rank's samples; static: f, the mode, every
+  rank's sample count, the chunking, the structures). Operators built on
+  it are pytrees through it; rebuilding one from its children computes and
+  communicates nothing.
+* :class:`Jacobian`, the computation at a point in the current trace:
+  ``point.jacobian()`` evaluates the model in every product (what an
+  operator's own matvec does), ``point.linearise()`` linearises it (and
+  takes the mean row) once, what :func:`distlinalg.operators.linearise`
+  and the solvers use.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -45,36 +50,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-
-from .. import _compat
-from .._mpi import Communicator
+from .._mpi import Communicator, resolve_comm
+from .._trees import Structure, flat_size, is_complex, join_complex, leaves, split_complex, tree_map
 from ..comm import _core
 from ..comm.allreduce import allreduce
 from ..comm.fused import tree_allreduce
-from ._base import LinearOperator
-from ._pairs import join_complex, split_complex
 from ._partition import exchange_sizes
 
 MODES = ("real", "complex", "holomorphic")
 
 
 # -- pytree algebra ------------------------------------------------------------
-def tree_map(fn: Callable[..., Any], *trees: Any) -> Any:
-    return jax.tree_util.tree_map(fn, *trees)
-
-
-def leaves(tree: Any) -> list[Any]:
-    return jax.tree_util.tree_leaves(tree)
-
-
 def channel_dot(rows: Any, v: Any) -> jax.Array:
     """(k,) products Σ_j rows[c, j] v_j (no conjugate) of k rows shaped like v."""
     parts = [jnp.sum((m * x[None]).reshape(m.shape[0], -1), axis=1) for m, x in zip(leaves(rows), leaves(v))]
     return sum(parts[1:], parts[0])
-
-
-def _is_complex(tree: Any) -> bool:
-    return any(jnp.iscomplexobj(x) for x in leaves(tree))
 
 
 # -- validation ------------------------------------------------------------------
@@ -134,168 +124,104 @@ def pad_samples(samples: Any, total: int) -> Any:
     return tree_map(pad, samples)
 
 
-# -- values derived from pytree children, kept per trace ------------------------------
-class TraceLocal:
-    """Values computed from an object's pytree children (a linearisation, a
-    mean row), each kept with the trace it was computed in.
+# -- the point ---------------------------------------------------------------------
+class UserFunction:
+    """A user's function as static data: equal when it is the same object (or
+    compares equal), hashed by its hash, or by its id when it has none (a
+    callable object without __hash__: jit then recompiles for another
+    instance instead of failing to hash the tree definition)."""
 
-    Why per trace: an operator passed to a jitted function is rebuilt from
-    traced children, and its linearisation must be computed in that trace,
-    not stored as static data. Once computed, the traces nested in that one
-    (the loops of a Krylov solver, lax.custom_linear_solve's matvec and
-    solve) use it as a closed-over constant, so the model is evaluated once
-    per program rather than once per iteration. A value computed eagerly is
-    concrete and valid everywhere; one computed in a trace that is not an
-    enclosing trace of the current one (an earlier jit, a sibling branch) is
-    computed again. The value is a function of the children only, and the
-    children of an object never change (tree_map and unflatten make new
-    objects, with empty caches), so every copy is the same value.
-    """
+    __slots__ = ("fn",)
 
-    __slots__ = ("_values",)
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
 
-    def __init__(self) -> None:
-        self._values: dict[str, tuple[Any, Any]] = {}
-
-    def get(self, name: str, compute: Callable[[], Any]) -> Any:
-        held = self._values.get(name)
-        if held is not None:
-            trace_ref, value = held
-            if trace_ref is None or _compat.trace_reaches(trace_ref()):
-                return value
-        trace = _compat.current_trace()
-        value = compute()
-        self._values[name] = (None if _compat.is_eager_trace(trace) else weakref.ref(trace), value)
-        return value
-
-
-def tracing() -> bool:
-    """Whether JAX is tracing (jit, grad, vmap, a loop body…) rather than running eagerly."""
-    return not _compat.is_eager_trace(_compat.current_trace())
-
-
-class LinearisedOperator(LinearOperator):
-    """A LinearOperator whose matvec uses a linearisation of its children.
-
-    The children are the whole of ``data`` (``matvec(data, v)``); the aux data
-    is what :meth:`_static` returns (None by default), which must compare by
-    value, and unflattening is :meth:`_rebuild`, which must neither compute
-    on the children nor communicate. Subclasses say in :meth:`prepare` what
-    to derive from the children (kept per trace, see :class:`TraceLocal`).
-    """
-
-    def prepare(self) -> None:
-        """Compute what the matvec derives from the children in the current
-        trace, unless done there or in an enclosing trace."""
-
-    @property
-    def matvec(self) -> Callable[[Any], Any]:
-        """v ↦ A v (a function). Reading it inside a trace prepares the
-        linearisation there first: a solver reads ``A.matvec`` before its
-        loops, so the loops (and the solves of the derivatives, which reuse
-        the matvec's program) close over one linearisation instead of
-        redoing it in each iteration. Eagerly nothing is computed until the
-        first product (which may communicate: every rank applies the
-        operator together)."""
-        if tracing():
-            self.prepare()
-        return self._apply
-
-    def _apply(self, v: Any) -> Any:
-        return self._matvec(self._data, v)
-
-    def _static(self) -> Any:
-        return None
-
-    @classmethod
-    def _rebuild(cls, static: Any, data: Any) -> "LinearisedOperator":
-        return cls(*data)
-
-    def _tree_flatten(self) -> tuple[tuple[Any, ...], Any]:
-        return (self._data,), self._static()
-
-    @classmethod
-    def _tree_unflatten(cls, static: Any, children: tuple[Any, ...]) -> "LinearisedOperator":
-        return cls._rebuild(static, children[0])
-
-
-def hash_of(value: Any) -> int:
-    """hash(value), or its id for an unhashable user function (a callable
-    object without __hash__): its specs then compare equal only to
-    themselves' copies and jit recompiles for another instance, instead of
-    failing to hash the tree definition."""
-    try:
-        return hash(value)
-    except TypeError:
-        return id(value)
-
-
-def _structure_of(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]:
-    """A hashable, value-comparable description of a pytree of arrays."""
-    flat, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef, tuple((tuple(jnp.shape(x)), jnp.dtype(jnp.result_type(x))) for x in flat)
-
-
-def _shape_structs(structure: tuple[Any, tuple]) -> Any:
-    treedef, leaves_ = structure
-    return jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in leaves_])
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """The static part of a :class:`LinearisedModel` (its pytree aux data).
-
-    Everything here is decided once, at construction (the sample counts by
-    one exchange between ranks), and compares by value: two models of the
-    same f (the same object), shapes, counts and options have equal specs,
-    so jit reuses one compilation for both.
-    """
-
-    f: Callable[..., Any]
-    mode: str
-    center: bool
-    chunk: int | None
-    n_chunks: int
-    comm: Communicator
-    sharded_params: bool
-    communicates: bool
-    n_local: int
-    counts: tuple[int, ...]
-    split: bool
-    channels: int
-    dtype: Any
-    params: tuple[Any, tuple]  # _structure_of(params)
-    samples: tuple[Any, tuple]  # _structure_of(samples)
+    def __eq__(self, other: Any) -> bool:
+        if not isinstance(other, UserFunction):
+            return False
+        if self.fn is other.fn:
+            return True
+        try:
+            return bool(self.fn == other.fn)
+        except Exception:  # noqa: BLE001 (a user's __eq__ that cannot compare)
+            return False
 
     def __hash__(self) -> int:
-        return hash(tuple(hash_of(getattr(self, field.name)) for field in dataclasses.fields(self)))
+        try:
+            return hash(self.fn)
+        except TypeError:
+            return id(self.fn)
+
+    def __repr__(self) -> str:
+        return f"UserFunction({self.fn!r})"
 
 
-class LinearisedModel:
-    """f linearised at params on this rank's samples, in the space of `mode`.
+def point_class(cls: type) -> type:
+    """A frozen, keyword-only dataclass registered as a pytree (fields with
+    ``metadata={"static": True}`` are static): the declared data of a point."""
+    cls = dataclasses.dataclass(frozen=True, eq=False, kw_only=True)(cls)
+    return jax.tree_util.register_dataclass(cls)
 
-    A pytree: the children are ``(params, samples)`` (as given: params
-    replicated or this rank's block, samples this rank's); the aux data is a
-    :class:`ModelSpec` (f, mode, counts of every rank, structures, options).
-    The linearisation (and the mean row) are computed from the children on
-    first use in a trace and kept for that trace and the traces nested in it
-    (:class:`TraceLocal`); a model built by the constructor is linearised
-    there, once. Unflattening computes nothing and never communicates.
+
+def _static(**kwargs: Any) -> Any:
+    return dataclasses.field(metadata={"static": True}, **kwargs)
+
+
+@point_class
+class ModelPoint:
+    """f at params on this rank's samples, in the space of `mode`: the point the
+    Jacobian-based operators (Gram, sample Gram, the natural gradient) expand at.
+
+    A pytree: the children are ``params`` (replicated, or this rank's block)
+    and ``samples`` (this rank's); everything else is static, decided once
+    by :meth:`build` (the sample counts by one exchange between ranks) and
+    compared by value, so two points of the same f (the same object),
+    shapes, counts and options have equal tree definitions and jit reuses
+    one compilation for both. Rebuilding one from its children computes
+    nothing and never communicates.
 
     Attributes:
       mode: "real", "complex" or "holomorphic".
-      theta: the parameters in the space the Jacobian is taken in (θ, or
-        θ̃ = (Re θ, Im θ) for complex parameters in "real"/"complex" mode).
+      counts: every rank's sample count; ``n_local``, ``n_total``.
+      split: whether θ̃ splits complex parameters into (Re, Im) pairs.
       channels: k, output channels per sample (2 in "complex" mode).
-      dtype: dtype of the rows' entries (real, or complex in "holomorphic").
-      n_local, counts, n_total: this rank's, every rank's and all samples.
-      split: whether θ̃ splits complex parameters into real pairs.
-      mean_row: μ, k rows shaped like theta (zeros when not centring).
+      dtype: dtype of the Jacobian's entries (real, or complex in "holomorphic").
+      params_structure: the params' :class:`~distlinalg._trees.Structure`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import ModelPoint
+      >>> f = lambda w, x: jnp.tanh(x @ w)
+      >>> x = jax.random.normal(jax.random.PRNGKey(comm.rank()), (4, 3))
+      >>> point = ModelPoint.build(f, jnp.array([0.5, -0.3, 0.2]), x)
+      >>> point.mode, point.n_total == 4 * comm.size(), point.linearise().jvp(jnp.ones(3)).shape
+      ('real', True, (4, 1))
     """
 
-    def __init__(self, f: Callable[..., Any], params: Any, samples: Any, *, mode: str | None, center: bool,
-                 chunk_size: int | None, comm: Communicator, sharded_params: bool, where: str):
-        mode, n_local, communicates, complex_output = check_model(f, params, samples, mode, where)
+    params: Any
+    samples: Any
+    function: UserFunction = _static()
+    mode: str = _static()
+    center: bool = _static(default=True)
+    chunk: int | None = _static(default=None)
+    n_chunks: int = _static(default=1)
+    comm: Communicator = _static()
+    sharded_params: bool = _static(default=False)
+    communicates: bool = _static(default=False)
+    counts: tuple[int, ...] = _static()
+    split: bool = _static(default=False)
+    dtype: Any = _static()
+    params_structure: Structure = _static()
+
+    @staticmethod
+    def build(f: Callable[..., Any], params: Any, samples: Any, *, mode: str | None = None, center: bool = True,
+              chunk_size: int | None = None, comm: Any = None, sharded_params: bool = False,
+              where: str = "distlinalg.operators") -> ModelPoint:
+        """Check the model at trace time and exchange the sample counts (every
+        rank calls it together); the arguments are those of :func:`~distlinalg.operators.gram`."""
+        comm = resolve_comm(comm)
+        mode, n_local, communicates, _ = check_model(f, params, samples, mode, where)
         counts = exchange_sizes(n_local, comm)
         if int(counts.sum()) == 0:
             raise ValueError(f"{where}: no samples on any rank")
@@ -308,111 +234,121 @@ class LinearisedModel:
             # the same number of equally sized chunks.
             longest = int(counts.max()) if communicates else n_local
             n_chunks = max(1, -(-longest // chunk))
-        spec = ModelSpec(f=f, mode=mode, center=bool(center), chunk=chunk, n_chunks=n_chunks, comm=comm,
-                         sharded_params=bool(sharded_params), communicates=communicates, n_local=n_local,
-                         counts=tuple(int(c) for c in counts), split=mode != "holomorphic" and _is_complex(params),
-                         channels=2 if mode == "complex" else 1, dtype=None,
-                         params=_structure_of(params), samples=_structure_of(samples))
-        self._assemble(spec, params, samples)
-        dtype = jax.eval_shape(self.outputs, self.theta, samples).dtype
-        self._assemble(dataclasses.replace(spec, dtype=jnp.dtype(dtype)), params, samples)
-        # Linearised here, once: in the trace this is built in (or eagerly),
-        # which every use of the model nested in it then shares.
-        self.prepare()
+        split = mode != "holomorphic" and is_complex(params)
+        theta = split_complex(params) if split else params
+        outputs = _outputs_in_mode(f, mode, split)
+        dtype = jnp.dtype(jax.eval_shape(outputs, theta, samples).dtype)
+        return ModelPoint(params=params, samples=samples, function=UserFunction(f), mode=mode, center=bool(center),
+                          chunk=chunk, n_chunks=n_chunks, comm=comm, sharded_params=bool(sharded_params),
+                          communicates=communicates, counts=tuple(int(c) for c in counts), split=split,
+                          dtype=dtype, params_structure=Structure.of(params))
 
-    def _assemble(self, spec: ModelSpec, params: Any, samples: Any) -> None:
-        self._spec = spec
-        self.params, self.samples = params, samples
-        self.mode, self.center, self.comm = spec.mode, spec.center, spec.comm
-        self.sharded_params, self.communicates = spec.sharded_params, spec.communicates
-        self.n_local, self.split, self.channels, self.dtype = spec.n_local, spec.split, spec.channels, spec.dtype
-        self.counts = np.asarray(spec.counts, np.int64)
-        self.n_total = int(self.counts.sum())
-        self._f, self._chunk, self._n_chunks = spec.f, spec.chunk, spec.n_chunks
-        self._derived = TraceLocal()
+    @property
+    def f(self) -> Callable[..., Any]:
+        return self.function.fn
 
-    # -- pytree -----------------------------------------------------------------------
-    def _tree_flatten(self) -> tuple[tuple[Any, Any], ModelSpec]:
-        return (self.params, self.samples), self._spec
+    @property
+    def n_local(self) -> int:
+        return self.counts[self.comm.rank]
 
-    @classmethod
-    def _tree_unflatten(cls, spec: ModelSpec, children: tuple[Any, Any]) -> "LinearisedModel":
-        # No validation, no computation, no communication: jax unflattens
-        # with tracers, cotangents and placeholder leaves alike.
-        model = object.__new__(cls)
-        model._assemble(spec, *children)
-        return model
+    @property
+    def n_total(self) -> int:
+        return int(sum(self.counts))
+
+    @property
+    def channels(self) -> int:
+        return 2 if self.mode == "complex" else 1
+
+    @property
+    def sample_structure(self) -> jax.ShapeDtypeStruct:
+        """A sample-space block: (n_r,) of the Jacobian's dtype, or (n_r, 2) real in "complex" mode."""
+        if self.mode == "complex":
+            return jax.ShapeDtypeStruct((self.n_local, 2), self.dtype)
+        return jax.ShapeDtypeStruct((self.n_local,), self.dtype)
+
+    def jacobian(self) -> Jacobian:
+        """Ō at this point, evaluating the model in every product (no collective here)."""
+        return Jacobian(self, linearised=False)
+
+    def linearise(self) -> Jacobian:
+        """Ō at this point, the model linearised (and the mean row taken: one
+        allreduce when centring) once, here."""
+        return Jacobian(self, linearised=True)
+
+
+def _outputs_in_mode(f: Callable[..., Any], mode: str, split: bool) -> Callable[[Any, Any], jax.Array]:
+    """(θ̃, samples) ↦ (n, k) outputs: Re f ("real"), (Re f, Im f) ("complex"), f ("holomorphic")."""
+
+    def outputs(theta: Any, samples: Any) -> jax.Array:
+        y = f(join_complex(theta) if split else theta, samples)
+        if mode == "holomorphic":
+            return y[:, None]
+        if mode == "complex":
+            return jnp.stack([jnp.real(y), jnp.imag(y)], axis=1)
+        return jnp.real(y)[:, None]
+
+    return outputs
+
+
+class Jacobian:
+    """The centred Jacobian Ō of a :class:`ModelPoint`, in the current trace.
+
+    Not a pytree and not kept: made by ``point.jacobian()`` (the model
+    evaluated in every product) or ``point.linearise()`` (linearised once,
+    with the mean row), and used in the trace it was made in.
+    """
+
+    def __init__(self, point: ModelPoint, *, linearised: bool):
+        self.point = point
+        self.params, self.samples = point.params, point.samples
+        self.mode, self.center, self.comm = point.mode, point.center, point.comm
+        self.sharded_params, self.communicates = point.sharded_params, point.communicates
+        self.n_local, self.split, self.channels, self.dtype = point.n_local, point.split, point.channels, point.dtype
+        self.counts = np.asarray(point.counts, np.int64)
+        self.n_total = point.n_total
+        self.outputs = _outputs_in_mode(point.f, point.mode, point.split)
+        self._chunk, self._n_chunks = point.chunk, point.n_chunks
+        if self._chunk is not None:
+            padded = self._chunk * self._n_chunks
+            self._batches = tree_map(lambda x: x.reshape(self._n_chunks, self._chunk, *x.shape[1:]),
+                                     pad_samples(self.samples, padded))
+            self._masks = (jnp.arange(padded) < self.n_local).reshape(self._n_chunks, self._chunk)
+        self._linear = None
+        self._mean = None
+        if linearised:
+            if self._chunk is None:
+                self._linear = self._linearise(self.samples)
+            if self.center:
+                self._mean = self._mean_row()
 
     @property
     def params_structure(self) -> Any:
-        """The params' structure, a pytree of ``jax.ShapeDtypeStruct`` (static)."""
-        return _shape_structs(self._spec.params)
+        """The params' structure, a pytree of ``jax.ShapeDtypeStruct``."""
+        return self.point.params_structure.tree
 
     @property
     def theta(self) -> Any:
         return split_complex(self.params) if self.split else self.params
 
-    # -- what is derived from the children (per trace) ---------------------------------
-    def cached(self, name: str, compute: Callable[[], Any]) -> Any:
-        """`compute()` (a function of the children), once per trace (see :class:`TraceLocal`)."""
-        return self._derived.get(name, compute)
-
-    def prepare(self) -> None:
-        """Linearise (and take the mean row) in the current trace, unless already done
-        in it or in an enclosing one. Communicates (the mean row) when centring."""
-        if self._chunk is None:
-            self._linear()
-        else:
-            self._chunks()
-        if self.center:
-            _ = self.mean_row
-
-    def _linear(self) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-        return self.cached("linear", lambda: self._linearise(self.samples))
-
-    def _chunks(self) -> tuple[Any, jax.Array]:
-        def split_into_chunks() -> tuple[Any, jax.Array]:
-            padded = self._chunk * self._n_chunks
-            batches = tree_map(lambda x: x.reshape(self._n_chunks, self._chunk, *x.shape[1:]),
-                               pad_samples(self.samples, padded))
-            masks = (jnp.arange(padded) < self.n_local).reshape(self._n_chunks, self._chunk)
-            return batches, masks
-
-        return self.cached("chunks", split_into_chunks)
+    def _linear_maps(self) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+        return self._linear if self._linear is not None else self._linearise(self.samples)
 
     @property
     def _jvp(self) -> Callable[[Any], Any]:
-        return self._linear()[0]
+        return self._linear_maps()[0]
 
     @property
     def _transpose(self) -> Callable[[Any], Any]:
-        return self._linear()[1]
-
-    @property
-    def _batches(self) -> Any:
-        return self._chunks()[0]
-
-    @property
-    def _masks(self) -> jax.Array:
-        return self._chunks()[1]
+        return self._linear_maps()[1]
 
     @property
     def mean_row(self) -> Any:
         """μ = 1ᵀ O / N (k rows shaped like θ̃), zeros when not centring."""
         if not self.center:
             return tree_map(lambda a: jnp.zeros((self.channels, *a.shape), a.dtype), self.theta)
-        return self.cached("mean_row", self._mean_row)
+        return self._mean if self._mean is not None else self._mean_row()
 
     # -- the model in the space of the mode ----------------------------------------
-    def outputs(self, theta: Any, samples: Any) -> jax.Array:
-        """(n, k) outputs: Re f ("real"), (Re f, Im f) ("complex"), f ("holomorphic")."""
-        y = self._f(join_complex(theta) if self.split else theta, samples)
-        if self.mode == "holomorphic":
-            return y[:, None]
-        if self.mode == "complex":
-            return jnp.stack([jnp.real(y), jnp.imag(y)], axis=1)
-        return jnp.real(y)[:, None]
-
     def to_space(self, v: Any) -> Any:
         """A vector shaped like params ↦ the same vector in θ̃."""
         return split_complex(v) if self.split else v
@@ -583,33 +519,3 @@ class LinearisedModel:
                 mean_c = tree_map(lambda m: m[c], self.mean_row)
                 total = tree_map(lambda acc, r, m: acc + jnp.sum(jnp.abs(r - m[None]) ** 2, axis=0), total, rows, mean_c)
         return total
-
-
-jax.tree_util.register_pytree_node(LinearisedModel, LinearisedModel._tree_flatten, LinearisedModel._tree_unflatten)
-
-
-def flat_size(tree: Any) -> int:
-    return int(sum(np.prod(jnp.shape(x), dtype=np.int64) for x in leaves(tree)))
-
-
-class ModelOperator(LinearisedOperator):
-    """A LinearisedOperator whose children are ``(model, diag_shift, ...)``: the
-    Gram matrices in parameter space and in sample space."""
-
-    @property
-    def model(self) -> LinearisedModel:
-        return self._data[0]
-
-    @property
-    def params(self) -> Any:
-        """The parameters the model is linearised at (or their cotangent)."""
-        return self.model.params
-
-    @property
-    def samples(self) -> Any:
-        """This rank's samples (or their cotangent)."""
-        return self.model.samples
-
-    @property
-    def diag_shift(self) -> Any:
-        return self._data[1]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import Communicator, ReduceOp
+from .._mpi import Communicator, ReduceOp, resolve_comm
 from ..comm.allgather import allgather
 from ..comm.reduce_scatter import reduce_scatter
 
@@ -92,6 +92,20 @@ class Partition(NamedTuple):
         """The first total % size ranks get one more index."""
         base, extra = divmod(int(total), size)
         return Partition.from_sizes([base + (r < extra) for r in range(size)])
+
+    @staticmethod
+    def of_local_sizes(local: int, comm: Any = None) -> "Partition":
+        """The partition whose block r has rank r's `local` size (exchanged at
+        trace time: every rank calls it together)."""
+        return partition_of_local_sizes(int(local), resolve_comm(comm))
+
+    def allgather(self, block: Any, comm: Any = None) -> Any:
+        """Every rank's block (leading axis, this partition's sizes) concatenated, on every rank."""
+        return allgather_blocks(block, self, resolve_comm(comm))
+
+    def reduce_scatter(self, y: Any, comm: Any = None) -> Any:
+        """The sum over ranks of the global-length `y`; rank r keeps its block of it."""
+        return reduce_scatter_blocks(y, self, resolve_comm(comm))
 
 
 def resolve_partition(partition: Any, total: int, comm: Communicator, what: str) -> Partition:
@@ -216,3 +230,8 @@ def reduce_scatter_blocks(y: Any, partition: Partition, comm: Communicator) -> A
     ]
     mine = reduce_scatter(jnp.stack(blocks), ReduceOp.SUM, comm=comm)
     return mine[: partition.size_of(comm.rank)]
+
+
+def gather_rows(rows: jax.Array, comm: Communicator) -> jax.Array:
+    """Concatenate every rank's rows (counts may differ) on every rank."""
+    return allgather_blocks(rows, partition_of_local_sizes(rows.shape[0], comm), comm)

@@ -4,15 +4,15 @@ the generalized Gauss-Newton matrix, matrix-free.
 The loss is *replicated*: every rank returns the same global value (it
 reduces its data's contribution with a distlinalg collective). Its
 gradient is taken under the project's AD convention by
-:func:`distlinalg.ad.grad` (exact for replicated and sharded parameters), and
-the operators are linearizations of that gradient, made once at
-construction (and, for an operator rebuilt from its pytree children, once
-per trace it is used in).
+:func:`distlinalg.ad.grad` (exact for replicated and sharded parameters).
+Both operators expand the loss at a :class:`LossPoint` (the parameters and
+this rank's data, declared data); a product differentiates the gradient
+(forward over reverse), and :func:`~distlinalg.operators.linearise` (which
+the solvers call) linearises it once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +21,10 @@ import jax.numpy as jnp
 
 from .. import ad
 from .._mpi import Communicator, resolve_comm
+from .._trees import Structure
 from ..comm.fused import tree_allreduce
-from ._jacobian import LinearisedOperator, TraceLocal, _shape_structs, _structure_of, hash_of
+from ._base import LinearOperator, function_operator, linearise, operator_class
+from ._jacobian import UserFunction, _static, point_class
 
 _NAME = "distlinalg.operators"
 
@@ -39,88 +41,75 @@ def _check_scalar_loss(loss: Callable[..., Any], args: tuple, what: str) -> None
         raise ValueError(f"{_NAME}.{what}: the loss must return a real scalar, got {out}")
 
 
-@dataclasses.dataclass(frozen=True)
-class CurvatureSpec:
-    """The static part of a curvature operator (pytree aux data), compared by value.
-
-    `functions` are the user's (the loss, or the model and the loss of its
-    outputs): the same objects give equal specs. `params` is the
-    parameters' structure (treedef, shapes and dtypes).
-    """
-
-    functions: tuple[Callable[..., Any], ...]
-    sharded_params: bool
-    comm: Communicator
-    params: tuple[Any, tuple]
-
-    def __hash__(self) -> int:
-        return hash((tuple(hash_of(f) for f in self.functions), self.sharded_params, self.comm, self.params))
-
-
-class Expansion:
+@point_class
+class LossPoint:
     """The point a curvature operator expands the loss at.
 
-    A pytree: the children are ``(params, args)`` (the parameters and this
-    rank's data), the aux data the :class:`CurvatureSpec`. What is derived
-    from the children (the linearisation) is computed at first use in a
-    trace and kept for it and the traces nested in it (:class:`TraceLocal`).
+    A pytree: the children are ``params`` and ``args`` (this rank's data);
+    the user's functions (the loss, or the model and the loss of its
+    outputs), the layout, the communicator and the parameters' structure
+    are static and compared by value (the same function objects, shapes and
+    dtypes give equal tree definitions).
     """
 
-    def __init__(self, spec: CurvatureSpec, params: Any, args: tuple):
-        self.spec, self.params, self.args = spec, params, tuple(args)
-        self._derived = TraceLocal()
+    params: Any
+    args: tuple
+    functions: tuple[UserFunction, ...] = _static()
+    sharded_params: bool = _static(default=False)
+    comm: Communicator = _static()
+    params_structure: Structure = _static()
 
-    def cached(self, name: str, compute: Callable[[], Any]) -> Any:
-        return self._derived.get(name, compute)
-
-    def _tree_flatten(self) -> tuple[tuple[Any, tuple], CurvatureSpec]:
-        return (self.params, self.args), self.spec
-
-    @classmethod
-    def _tree_unflatten(cls, spec: CurvatureSpec, children: tuple[Any, tuple]) -> "Expansion":
-        return cls(spec, *children)  # nothing computed: jax unflattens placeholders too
+    def gradient(self, loss: Callable[..., Any], sharded: tuple[int, ...]) -> Callable[..., Any]:
+        """∇ of a replicated loss under the AD convention (docs/ad.md)."""
+        return ad.grad(loss, sharded=sharded, comm=self.comm)
 
 
-jax.tree_util.register_pytree_node(Expansion, Expansion._tree_flatten, Expansion._tree_unflatten)
+@operator_class
+class _CurvatureOperator(LinearOperator):
+    """Shared by the Hessian and the Gauss–Newton operator: one child, the
+    :class:`LossPoint`; symmetric, in the layout of the parameters."""
 
+    point: LossPoint
 
-class _CurvatureOperator(LinearisedOperator):
-    """Shared by the Hessian and the Gauss-Newton operator: one child, the
-    :class:`Expansion` (params and args), and a linearisation per trace."""
-
-    _kind = ""
-
-    def __init__(self, point: Expansion):
-        # From the spec only: this is also the unflatten (no computation on
-        # the children, no communication).
-        spec = point.spec
-        super().__init__(
-            type(self)._product,
-            data=(point,),
-            input_structure=_shape_structs(spec.params),
-            layout="sharded" if spec.sharded_params else "replicated",
-            symmetric=True,
-            hermitian=True,
-            comm=spec.comm,
-            name=self._kind,
-        )
+    symmetric = True
+    hermitian = True
 
     @property
     def params(self) -> Any:
         """The parameters the loss is expanded at (or their cotangent)."""
-        return self._data[0].params
+        return self.point.params
 
     @property
     def args(self) -> tuple:
         """The loss's other arguments (this rank's data), or their cotangents."""
-        return self._data[0].args
+        return self.point.args
 
-    def prepare(self) -> None:
-        """Linearise in the current trace, unless done there or in an enclosing one."""
-        (point,) = self._data
-        point.cached("linear", lambda: type(self)._linearise(point))
+    @property
+    def in_structure(self) -> Structure:
+        return self.point.params_structure
+
+    @property
+    def out_structure(self) -> Structure:
+        return self.point.params_structure
+
+    @property
+    def layout(self) -> str:
+        return "sharded" if self.point.sharded_params else "replicated"
+
+    @property
+    def comm(self) -> Communicator:
+        return self.point.comm
+
+    def _linearised(self) -> Callable[[Any], Any]:
+        """v ↦ A v with what does not depend on v computed once, here."""
+        raise NotImplementedError
+
+    def _linearised_operator(self) -> LinearOperator:
+        return function_operator(self._linearised(), input_structure=self.in_structure, layout=self.layout,
+                                 symmetric=True, hermitian=True, comm=self.comm, name=self.name)
 
 
+@operator_class
 class HessianOperator(_CurvatureOperator):
     """∇²L(params) of a replicated loss, matrix-free; see :func:`hessian`.
 
@@ -128,10 +117,10 @@ class HessianOperator(_CurvatureOperator):
     layout, the communicator and the parameters' structure are static and
     compare by value (the same loss object, shapes and dtypes give equal
     tree definitions, so jit reuses a compilation). Unflattening computes
-    and communicates nothing; the gradient is linearised from the children
-    at first use in a trace, once for the traces nested in it. ``jax.grad``
-    with respect to the operator gives a HessianOperator of cotangents
-    (``.params``, ``.args``).
+    and communicates nothing. A product is one forward-over-reverse pass;
+    :func:`~distlinalg.operators.linearise` (which the solvers call)
+    linearises the gradient once. ``jax.grad`` with respect to the operator
+    gives a HessianOperator of cotangents (``.params``, ``.args``).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -148,22 +137,20 @@ class HessianOperator(_CurvatureOperator):
       True
     """
 
-    _kind = "HessianOperator"
+    def _gradient(self) -> Callable[[Any], Any]:
+        (loss,) = self.point.functions
+        gradient = self.point.gradient(loss.fn, (0,) if self.point.sharded_params else ())
+        return lambda p: gradient(p, *self.point.args)
 
-    @staticmethod
-    def _linearise(point: Expansion) -> Callable[[Any], Any]:
-        (loss,) = point.spec.functions
-        gradient = ad.grad(loss, sharded=(0,) if point.spec.sharded_params else (), comm=point.spec.comm)
-        _, hvp = jax.linearize(lambda p: gradient(p, *point.args), point.params)
+    def _matvec(self, v: Any) -> Any:
+        return jax.jvp(self._gradient(), (self.point.params,), (v,))[1]
+
+    def _linearised(self) -> Callable[[Any], Any]:
+        _, hvp = jax.linearize(self._gradient(), self.point.params)
         return hvp
 
-    @staticmethod
-    def _product(data: tuple, v: Any) -> Any:
-        (point,) = data
-        hvp = point.cached("linear", lambda: HessianOperator._linearise(point))
-        return hvp(v)
 
-
+@operator_class
 class GaussNewtonOperator(_CurvatureOperator):
     """Jᵀ H J of L = ℓ(f(params)), matrix-free; see :func:`gauss_newton`.
 
@@ -184,28 +171,35 @@ class GaussNewtonOperator(_CurvatureOperator):
       (True, (3,))
     """
 
-    _kind = "GaussNewtonOperator"
+    def _pieces(self) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+        """(the model on this rank's data, ∂ℓ/∂(this rank's outputs)): the outputs are sharded inputs of ℓ."""
+        f, loss_of_outputs = self.point.functions
+        return (lambda p: f.fn(p, *self.point.args)), self.point.gradient(loss_of_outputs.fn, (0,))
 
-    @staticmethod
-    def _linearise(point: Expansion) -> tuple[Callable[[Any], Any], Callable[[Any], Any], Callable[[Any], Any]]:
-        f, loss_of_outputs = point.spec.functions
-        outputs, jvp = jax.linearize(lambda p: f(p, *point.args), point.params)
-        transpose_of = jax.linear_transpose(jvp, point.params)
-        # ∂ℓ/∂(this rank's outputs): the outputs are sharded inputs of ℓ.
-        output_gradient = ad.grad(loss_of_outputs, sharded=(0,), comm=point.spec.comm)
-        _, output_hvp = jax.linearize(output_gradient, outputs)
-        return jvp, transpose_of, output_hvp
-
-    @staticmethod
-    def _product(data: tuple, v: Any) -> Any:
-        (point,) = data
-        jvp, transpose_of, output_hvp = point.cached("linear", lambda: GaussNewtonOperator._linearise(point))
-        (local,) = transpose_of(output_hvp(jvp(v)))
-        comm = point.spec.comm
-        if point.spec.sharded_params or comm.size == 1:
+    def _sum_copies(self, local: Any) -> Any:
+        """Rank r's transpose covers its own copy of replicated parameters: sum them."""
+        if self.point.sharded_params or self.comm.size == 1:
             return local
-        # Rank r's transpose covers its own copy of the parameters.
-        return tree_allreduce(local, comm=comm)
+        return tree_allreduce(local, comm=self.comm)
+
+    def _matvec(self, v: Any) -> Any:
+        model, output_gradient = self._pieces()
+        outputs, transpose = jax.vjp(model, self.point.params)
+        tangent = jax.jvp(model, (self.point.params,), (v,))[1]
+        (local,) = transpose(jax.jvp(output_gradient, (outputs,), (tangent,))[1])
+        return self._sum_copies(local)
+
+    def _linearised(self) -> Callable[[Any], Any]:
+        model, output_gradient = self._pieces()
+        outputs, jvp = jax.linearize(model, self.point.params)
+        transpose_of = jax.linear_transpose(jvp, self.point.params)
+        _, output_hvp = jax.linearize(output_gradient, outputs)
+        return lambda v: self._sum_copies(transpose_of(output_hvp(jvp(v)))[0])
+
+
+@linearise.register
+def _linearise_curvature(operator: _CurvatureOperator) -> LinearOperator:
+    return operator._linearised_operator()
 
 
 def hessian(
@@ -232,9 +226,10 @@ def hessian(
       comm: communicator (default distlinalg's).
 
     Returns:
-      A symmetric :class:`HessianOperator` v ↦ ∇²L v (forward-over-reverse,
-      linearized once here; each matvec is one JVP of the gradient, whose
-      replicated parameters' allreduce is one parameter-sized allreduce).
+      A symmetric :class:`HessianOperator` v ↦ ∇²L v (forward-over-reverse;
+      linearised once by the solvers, each matvec is then one JVP of the
+      gradient, whose replicated parameters' allreduce is one
+      parameter-sized allreduce).
       Vectors are shaped like params.
 
     AD and pytree: a pytree whose leaves are params and args (see
@@ -258,10 +253,9 @@ def hessian(
     comm = resolve_comm(comm)
     _check_params(params, "hessian")
     _check_scalar_loss(loss, (params, *args), "hessian")
-    spec = CurvatureSpec((loss,), bool(sharded_params), comm, _structure_of(params))
-    op = HessianOperator(Expansion(spec, params, args))
-    op.prepare()  # linearized here, once, in the trace it is built in
-    return op
+    point = LossPoint(params=params, args=tuple(args), functions=(UserFunction(loss),),
+                      sharded_params=bool(sharded_params), comm=comm, params_structure=Structure.of(params))
+    return HessianOperator(point=point)
 
 
 def gauss_newton(
@@ -284,8 +278,8 @@ def gauss_newton(
 
     Returns:
       A symmetric :class:`GaussNewtonOperator` v ↦ Jᵀ (H (J v)), J =
-      ∂f/∂params on every rank's data: J v and Jᵀ w by the model linearized
-      once, H u by forward-over-reverse on ℓ. Positive semidefinite when ℓ
+      ∂f/∂params on every rank's data: J v and Jᵀ w by the model (linearised
+      once by the solvers), H u by forward-over-reverse on ℓ. Positive semidefinite when ℓ
       is convex in the outputs. One parameter-sized allreduce per matvec
       (replicated). Vectors are shaped like params.
 
@@ -309,7 +303,6 @@ def gauss_newton(
     _check_params(params, "gauss_newton")
     outputs = jax.eval_shape(lambda p: f(p, *args), params)
     _check_scalar_loss(loss_of_outputs, (outputs,), "gauss_newton")
-    spec = CurvatureSpec((f, loss_of_outputs), bool(sharded_params), comm, _structure_of(params))
-    op = GaussNewtonOperator(Expansion(spec, params, args))
-    op.prepare()
-    return op
+    point = LossPoint(params=params, args=tuple(args), functions=(UserFunction(f), UserFunction(loss_of_outputs)),
+                      sharded_params=bool(sharded_params), comm=comm, params_structure=Structure.of(params))
+    return GaussNewtonOperator(point=point)

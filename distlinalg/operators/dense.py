@@ -9,20 +9,15 @@ is also what the collectives' transpose rules give for the matvec.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .._mpi import resolve_comm
-from ._base import LinearOperator
-from ._partition import (
-    allgather_blocks,
-    partition_of_local_sizes,
-    reduce_scatter_blocks,
-    resolve_partition,
-)
+from .._mpi import Communicator, resolve_comm
+from .._trees import Structure
+from ._base import LinearOperator, operator_class, static
+from ._partition import Partition, allgather_blocks, partition_of_local_sizes, reduce_scatter_blocks, resolve_partition
 
 
 def _local_matrix(block: Any, what: str) -> jax.Array:
@@ -95,22 +90,8 @@ def dense_rows(
                                       n_total, comm, "column_partition")
     dtype = rows.dtype
 
-    diagonal = None
-    if square and col_partition == row_partition:
-        diagonal = functools.partial(_diagonal_of_block, offset=row_partition.starts[comm.rank], rows=True)
-    return LinearOperator(
-        functools.partial(_rows_matvec, partition=col_partition, comm=comm),
-        data=rows,
-        input_structure=jax.ShapeDtypeStruct((col_partition.size_of(comm.rank),), dtype),
-        output_structure=jax.ShapeDtypeStruct((rows.shape[0],), dtype),
-        layout="sharded",
-        symmetric=symmetric,
-        hermitian=hermitian,
-        diagonal=diagonal,
-        transpose=functools.partial(_rows_transpose, partition=col_partition, comm=comm),
-        comm=comm,
-        name="DenseRowsOperator",
-    )
+    return DenseRowsOperator(rows=rows, row_partition=row_partition, column_partition=col_partition,
+                             symmetric=bool(symmetric), hermitian=bool(hermitian), comm=comm)
 
 
 def dense_columns(
@@ -160,37 +141,147 @@ def dense_columns(
                                       m_total, comm, "row_partition")
     dtype = columns.dtype
 
-    diagonal = None
-    if square and out_partition == col_partition:
-        diagonal = functools.partial(_diagonal_of_block, offset=col_partition.starts[comm.rank], rows=False)
-    return LinearOperator(
-        functools.partial(_columns_matvec, partition=out_partition, comm=comm),
-        data=columns,
-        input_structure=jax.ShapeDtypeStruct((columns.shape[1],), dtype),
-        output_structure=jax.ShapeDtypeStruct((out_partition.size_of(comm.rank),), dtype),
-        layout="sharded",
-        symmetric=symmetric,
-        hermitian=hermitian,
-        diagonal=diagonal,
-        transpose=functools.partial(_columns_transpose, partition=out_partition, comm=comm),
-        comm=comm,
-        name="DenseColumnsOperator",
-    )
+    return DenseColumnsOperator(columns=columns, row_partition=out_partition, column_partition=col_partition,
+                                symmetric=bool(symmetric), hermitian=bool(hermitian), comm=comm)
 
 
-# The matvecs take the block (the operator's child) first: static functions
-# of (block, vector), so an operator passed to a jitted function traces it.
-def _rows_matvec(rows: jax.Array, x: Any, *, partition: Any, comm: Any) -> Any:
-    return rows @ allgather_blocks(x, partition, comm)
+# -- the operators ---------------------------------------------------------------------
+@operator_class
+class DenseOperator(LinearOperator):
+    """A dense (M, N) matrix held whole by every rank (replicated layout), applied at
+    the highest matmul precision, as jax.scipy's solvers apply matrices; what
+    :func:`distlinalg.operators.aslinearoperator` makes of an array.
+
+    Pytree: the matrix is the child.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg.operators import DenseOperator
+      >>> A = DenseOperator(matrix=jnp.array([[2.0, 1.0], [1.0, 3.0]]))
+      >>> A @ jnp.ones(2), A.T.to_dense().shape
+      (Array([3., 4.], dtype=float32), (2, 2))
+    """
+
+    matrix: jax.Array
+    comm: Communicator = static(default=None)
+
+    layout = "replicated"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "comm", resolve_comm(self.comm))
+
+    @property
+    def in_structure(self) -> Structure:
+        return Structure.of(jax.ShapeDtypeStruct((jnp.shape(self.matrix)[1],), jnp.result_type(self.matrix)))
+
+    @property
+    def out_structure(self) -> Structure:
+        return Structure.of(jax.ShapeDtypeStruct((jnp.shape(self.matrix)[0],), jnp.result_type(self.matrix)))
+
+    @property
+    def has_diagonal(self) -> bool:
+        return jnp.shape(self.matrix)[0] == jnp.shape(self.matrix)[1]
+
+    def _matvec(self, v: Any) -> Any:
+        return jnp.matmul(self.matrix, v, precision=jax.lax.Precision.HIGHEST)
+
+    def _transpose_matvec(self, w: Any) -> Any:
+        return jnp.matmul(self.matrix.T, w, precision=jax.lax.Precision.HIGHEST)
+
+    def _diagonal(self) -> Any:
+        return jnp.diagonal(self.matrix)
 
 
-def _rows_transpose(rows: jax.Array, w: Any, *, partition: Any, comm: Any) -> Any:
-    return reduce_scatter_blocks(rows.T @ w, partition, comm)
+@operator_class
+class DenseRowsOperator(LinearOperator):
+    """A dense matrix split across ranks by rows (see :func:`dense_rows`).
+
+    Rank r holds rows R_r; y_r = A[R_r, :] x needs the whole x, gathered from
+    its blocks (one allgather). Its transpose is the column form
+    (:class:`DenseColumnsOperator`): one reduce_scatter.
+
+    Pytree: the row block is the child; the partitions, flags and
+    communicator are static and compared by value.
+    """
+
+    rows: jax.Array
+    row_partition: Partition = static()
+    column_partition: Partition = static()
+    symmetric: bool = static(default=False)
+    hermitian: bool = static(default=False)
+    comm: Communicator = static(default=None)
+
+    layout = "sharded"
+
+    @property
+    def in_structure(self) -> Structure:
+        dtype = jnp.result_type(self.rows)
+        return Structure.of(jax.ShapeDtypeStruct((self.column_partition.size_of(self.comm.rank),), dtype))
+
+    @property
+    def out_structure(self) -> Structure:
+        dtype = jnp.result_type(self.rows)
+        return Structure.of(jax.ShapeDtypeStruct((self.row_partition.size_of(self.comm.rank),), dtype))
+
+    @property
+    def has_diagonal(self) -> bool:
+        return self.row_partition == self.column_partition
+
+    def _matvec(self, x: Any) -> Any:
+        return self.rows @ allgather_blocks(x, self.column_partition, self.comm)
+
+    def _transpose_matvec(self, w: Any) -> Any:
+        return reduce_scatter_blocks(self.rows.T @ w, self.column_partition, self.comm)
+
+    def _diagonal(self) -> Any:
+        return _diagonal_of_block(self.rows, self.row_partition.starts[self.comm.rank], rows=True)
 
 
-def _columns_matvec(columns: jax.Array, x: Any, *, partition: Any, comm: Any) -> Any:
-    return reduce_scatter_blocks(columns @ x, partition, comm)
+@operator_class
+class DenseColumnsOperator(LinearOperator):
+    """A dense matrix split across ranks by columns (see :func:`dense_columns`):
+    the transpose of the row form of Aᵀ, whose rows are these columns.
+
+    Rank r holds columns C_r; y = Σ_r A[:, C_r] x_r, each rank keeping its
+    block of the sum (one reduce_scatter). Pytree: the column block is the
+    child; the partitions, flags and communicator are static.
+    """
+
+    columns: jax.Array
+    row_partition: Partition = static()
+    column_partition: Partition = static()
+    symmetric: bool = static(default=False)
+    hermitian: bool = static(default=False)
+    comm: Communicator = static(default=None)
+
+    layout = "sharded"
+
+    def _rows_form(self) -> DenseRowsOperator:
+        """Aᵀ held by rows: its rows are this operator's columns."""
+        return DenseRowsOperator(rows=self.columns.T, row_partition=self.column_partition,
+                                 column_partition=self.row_partition, comm=self.comm)
+
+    @property
+    def in_structure(self) -> Structure:
+        return self._rows_form().out_structure
+
+    @property
+    def out_structure(self) -> Structure:
+        return self._rows_form().in_structure
+
+    @property
+    def has_diagonal(self) -> bool:
+        return self.row_partition == self.column_partition
+
+    def _matvec(self, x: Any) -> Any:
+        return self._rows_form().transpose_matvec(x)
+
+    def _transpose_matvec(self, w: Any) -> Any:
+        return self._rows_form().matvec(w)
+
+    def _diagonal(self) -> Any:
+        return self._rows_form().diagonal()
 
 
-def _columns_transpose(columns: jax.Array, w: Any, *, partition: Any, comm: Any) -> Any:
-    return columns.T @ allgather_blocks(w, partition, comm)
+# The names of earlier issues and notes.
+DenseRows, DenseColumns, Dense = DenseRowsOperator, DenseColumnsOperator, DenseOperator

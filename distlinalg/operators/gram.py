@@ -20,8 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from .._mpi import resolve_comm
-from ._jacobian import MODES, LinearisedModel, ModelOperator, tree_map
+from .._mpi import Communicator
+from .._trees import Structure, tree_map
+from ._base import LinearOperator, function_operator, linearise, operator_class
+from ._jacobian import MODES, Jacobian, ModelPoint
 
 __all__ = ["gram", "gram_operator", "GramOperator", "MODES"]
 
@@ -29,12 +31,12 @@ _NAME = "distlinalg.operators.gram"
 
 
 # -- the math, one small function per term -------------------------------------------
-def gram_product(model: LinearisedModel, u: Any) -> Any:
+def gram_product(model: Jacobian, u: Any) -> Any:
     """ŌᴴŌ u / N (u in the mode's parameter space)."""
     return tree_map(lambda x: x / model.n_total, model.adjoint(model.jvp(u), centred_input=model.center))
 
 
-def gram_diagonal(model: LinearisedModel) -> Any:
+def gram_diagonal(model: Jacobian) -> Any:
     """diag(ŌᴴŌ)/N: Σ over samples and channels of |Ō_ij|², divided by N."""
     return tree_map(lambda d: d / model.n_total, model.squared_row_sums())
 
@@ -126,34 +128,29 @@ def gram(
       >>> bool(jnp.allclose(S @ w, O.T @ O @ w / len(X) + 1e-2 * w, atol=1e-5))
       True
     """
-    comm = resolve_comm(comm)
-    model = LinearisedModel(f, params, samples, mode=mode, center=center, chunk_size=chunk_size, comm=comm,
-                            sharded_params=sharded_params, where=_NAME)
-    if equal_samples and np.any(model.counts != model.counts[0]):
-        raise ValueError(f"{_NAME}: equal_samples=True but the ranks hold {model.counts.tolist()} samples")
-    return gram_operator(model, diag_shift, diag_scale)
+    point = ModelPoint.build(f, params, samples, mode=mode, center=center, chunk_size=chunk_size, comm=comm,
+                             sharded_params=sharded_params, where=_NAME)
+    if equal_samples and np.any(np.asarray(point.counts) != point.counts[0]):
+        raise ValueError(f"{_NAME}: equal_samples=True but the ranks hold {list(point.counts)} samples")
+    return GramOperator(point=point, diag_shift=diag_shift, diag_scale=diag_scale)
 
 
-def gram_operator(model: LinearisedModel, diag_shift: Any, diag_scale: Any = None) -> "GramOperator":
-    """S + λ I (+ ε diag S) of an already linearised model (see :func:`gram`).
-
-    With `diag_scale` the diagonal is computed here, once (collective).
-    """
-    op = GramOperator(model, diag_shift, diag_scale)
-    op.prepare()
-    return op
+def gram_operator(point: ModelPoint, diag_shift: Any, diag_scale: Any = None) -> GramOperator:
+    """S + λ I (+ ε diag S) at a :class:`~distlinalg.operators.ModelPoint` (see :func:`gram`)."""
+    return GramOperator(point=point, diag_shift=diag_shift, diag_scale=diag_scale)
 
 
-class GramOperator(ModelOperator):
+@operator_class
+class GramOperator(LinearOperator):
     """S = ŌᴴŌ/N + diag_shift·I + diag_scale·diag(ŌᴴŌ/N); see :func:`gram`.
 
     Args:
-      model: the :class:`~distlinalg.operators._jacobian.LinearisedModel`
-        (f, params, this rank's samples, mode, counts).
+      point: the :class:`~distlinalg.operators.ModelPoint` (f, params, this
+        rank's samples, mode, counts).
       diag_shift: λ, a scalar (Python number or 0-d array, may be traced).
       diag_scale: ε or None (no diagonal term).
 
-    Pytree: the children are ``(model, diag_shift, diag_scale)``, i.e. the
+    Pytree: the children are ``(point, diag_shift, diag_scale)``, i.e. the
     leaves are params, samples, λ (and ε); the mode, f, every rank's sample
     count, the chunking and the structures are static and compare by value.
     So an operator built outside ``jax.jit`` can be an argument of a jitted
@@ -161,10 +158,10 @@ class GramOperator(ModelOperator):
     with new params, samples or shifts of the same shapes and the same f
     reuses the compilation, and ``jax.grad`` with respect to the operator
     gives an operator of cotangents (``.params``, ``.samples``,
-    ``.diag_shift``). Unflattening computes and communicates nothing; the
-    model is linearised from the children at first use in a trace and
-    shared by the traces nested in it (one linearisation per program, not
-    per solver iteration).
+    ``.diag_shift``). Unflattening computes and communicates nothing. A
+    product ``S @ v`` evaluates the model; the solvers first call
+    :func:`~distlinalg.operators.linearise`, which linearises it once (one
+    linearisation per solve, not per iteration).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -183,48 +180,82 @@ class GramOperator(ModelOperator):
       True
     """
 
-    def __init__(self, model: LinearisedModel, diag_shift: Any, diag_scale: Any = None):
-        # Everything here comes from the model's static spec: nothing is
-        # computed from the children (the constructor is also the unflatten).
-        super().__init__(
-            _gram_matvec,
-            data=(model, diag_shift, diag_scale),
-            input_structure=model.params_structure,
-            layout="sharded" if model.sharded_params else "replicated",
-            symmetric=model.mode != "holomorphic",
-            hermitian=True,
-            real_linear=model.split,
-            diagonal=_gram_diagonal,
-            comm=model.comm,
-            name="GramOperator",
-        )
+    point: ModelPoint
+    diag_shift: Any = 0.0
+    diag_scale: Any = None
+
+    hermitian = True
 
     @property
-    def diag_scale(self) -> Any:
-        return self._data[2]
+    def model(self) -> ModelPoint:
+        """The point (earlier versions' name)."""
+        return self.point
 
-    def prepare(self) -> None:
-        """Linearise the model (and compute the scaled diagonal) in the current
-        trace, unless done in it or an enclosing one."""
-        model, _, diag_scale = self._data
-        model.prepare()
-        if diag_scale is not None:
-            _row_squares(model)
+    @property
+    def params(self) -> Any:
+        """The parameters the model is expanded at (or their cotangent)."""
+        return self.point.params
+
+    @property
+    def samples(self) -> Any:
+        """This rank's samples (or their cotangent)."""
+        return self.point.samples
+
+    @property
+    def in_structure(self) -> Structure:
+        return self.point.params_structure
+
+    @property
+    def out_structure(self) -> Structure:
+        return self.point.params_structure
+
+    @property
+    def layout(self) -> str:
+        return "sharded" if self.point.sharded_params else "replicated"
+
+    @property
+    def comm(self) -> Communicator:
+        return self.point.comm
+
+    @property
+    def symmetric(self) -> bool:
+        return self.point.mode != "holomorphic"
+
+    @property
+    def real_linear(self) -> bool:
+        return self.point.split
+
+    def _matvec(self, v: Any) -> Any:
+        return gram_apply(self.point.jacobian(), v, self.diag_shift, self.diag_scale)
+
+    def _diagonal(self) -> Any:
+        return gram_diagonal_with_shifts(self.point.jacobian(), self.diag_shift, self.diag_scale)
 
 
-def _row_squares(model: LinearisedModel) -> Any:
-    """diag(ŌᴴŌ)/N, once per trace (a per-sample Jacobian pass and one allreduce)."""
-    return model.cached("gram_diagonal", lambda: gram_diagonal(model))
-
-
-def _gram_matvec(data: tuple, v: Any) -> Any:
-    model, diag_shift, diag_scale = data
+def gram_apply(model: Jacobian, v: Any, diag_shift: Any, diag_scale: Any, scale_diagonal: Any = None) -> Any:
+    """(S + λ + ε diag S) v, v shaped like params; `scale_diagonal` is diag S when
+    already computed (else computed here when ε is given)."""
     u = model.to_space(v)
-    scale_diagonal = _row_squares(model) if diag_scale is not None else None
+    if diag_scale is not None and scale_diagonal is None:
+        scale_diagonal = gram_diagonal(model)
     return model.from_space(shifted(gram_product(model, u), u, diag_shift, diag_scale, scale_diagonal))
 
 
-def _gram_diagonal(data: tuple) -> Any:
-    model, diag_shift, diag_scale = data
+def gram_diagonal_with_shifts(model: Jacobian, diag_shift: Any, diag_scale: Any, squares: Any = None) -> Any:
+    """diag(S)(1 + ε) + λ, shaped like params (split complex parameters: d_r + i·d_i)."""
+    squares = gram_diagonal(model) if squares is None else squares
     factor = 1 + (0 if diag_scale is None else diag_scale)
-    return model.from_space(tree_map(lambda x: factor * x + diag_shift, _row_squares(model)))
+    return model.from_space(tree_map(lambda x: factor * x + diag_shift, squares))
+
+
+@linearise.register
+def _linearise_gram(S: GramOperator) -> LinearOperator:
+    """The model linearised once; with ε, diag S computed once too."""
+    model = S.point.linearise()
+    squares = gram_diagonal(model) if S.diag_scale is not None else None
+    return function_operator(
+        lambda v: gram_apply(model, v, S.diag_shift, S.diag_scale, squares),
+        diagonal=lambda: gram_diagonal_with_shifts(model, S.diag_shift, S.diag_scale, squares),
+        input_structure=S.point.params_structure, layout=S.layout, symmetric=S.symmetric, hermitian=True,
+        real_linear=S.real_linear, comm=S.comm, name=S.name, linearisation=model,
+    )

@@ -24,10 +24,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._mpi import resolve_comm
+from .._mpi import Communicator
+from .._trees import Structure
 from ..comm.p2p import sendrecv
-from ._base import gather_rows
-from ._jacobian import LinearisedModel, ModelOperator
+from ._base import LinearOperator, function_operator, linearise, operator_class
+from ._jacobian import Jacobian, ModelPoint
+from ._partition import gather_rows
 
 __all__ = ["sample_gram", "sample_gram_operator", "SampleGramOperator", "sample_structure"]
 
@@ -37,17 +39,17 @@ RING_PIECE_ROWS = None  # or a fixed number of rows per piece (tests)
 
 
 # -- the math, one small function per term -------------------------------------------
-def as_rows(model: LinearisedModel, x: jax.Array) -> jax.Array:
+def as_rows(model: Jacobian, x: jax.Array) -> jax.Array:
     """A sample-space block (n,) or (n, 2) as (n, k) rows of the model's dtype."""
     return jnp.reshape(x, (model.n_local, model.channels)).astype(model.dtype)
 
 
-def tangent_of(model: LinearisedModel, x: jax.Array) -> Any:
+def tangent_of(model: Jacobian, x: jax.Array) -> Any:
     """u = Ōᴴ x / N: the parameter-space vector a sample-space one pulls back to."""
     return jax.tree_util.tree_map(lambda a: a / model.n_total, model.adjoint(as_rows(model, x)))
 
 
-def sample_gram_product(model: LinearisedModel, x: jax.Array) -> jax.Array:
+def sample_gram_product(model: Jacobian, x: jax.Array) -> jax.Array:
     """Ō Ōᴴ x / N, shaped like x."""
     return jnp.reshape(model.jvp(tangent_of(model, x)), jnp.shape(x)).astype(x.dtype)
 
@@ -84,30 +86,31 @@ def ring_products(rows: jax.Array, counts: Any, per_sample: int, comm: Any) -> j
     return jnp.concatenate(blocks, axis=1)
 
 
-def sample_structure(model: LinearisedModel) -> jax.ShapeDtypeStruct:
+def sample_structure(point: ModelPoint | Jacobian) -> jax.ShapeDtypeStruct:
     """A sample-space block: (n_r,) of the rows' dtype, or (n_r, 2) real in "complex" mode."""
-    if model.mode == "complex":
-        return jax.ShapeDtypeStruct((model.n_local, 2), model.dtype)
-    return jax.ShapeDtypeStruct((model.n_local,), model.dtype)
+    if point.mode == "complex":
+        return jax.ShapeDtypeStruct((point.n_local, 2), point.dtype)
+    return jax.ShapeDtypeStruct((point.n_local,), point.dtype)
 
 
-class SampleGramOperator(ModelOperator):
+@operator_class
+class SampleGramOperator(LinearOperator):
     """T = Ō Ōᴴ / N + λ I on this rank's samples; see :func:`sample_gram`.
 
     Args:
-      model: the :class:`~distlinalg.operators._jacobian.LinearisedModel`.
+      point: the :class:`~distlinalg.operators.ModelPoint`.
       diag_shift: λ, a scalar (Python number or 0-d array, may be traced).
 
-    Pytree: the children are ``(model, diag_shift)``, i.e. the leaves are
+    Pytree: the children are ``(point, diag_shift)``, i.e. the leaves are
     params, this rank's samples and λ; f, the mode, every rank's sample
     count and the structures are static and compare by value. An operator
     built outside ``jax.jit`` can be an argument of a jitted function (one
     with new params or samples of the same shapes and the same f reuses the
     compilation), and ``jax.grad`` with respect to it gives a
     SampleGramOperator of cotangents (``.params``, ``.samples``,
-    ``.diag_shift``). Unflattening computes and communicates nothing; the
-    model is linearised at first use in a trace, once for the traces nested
-    in it.
+    ``.diag_shift``). Unflattening computes and communicates nothing; a
+    product evaluates the model, and the solvers linearise it once
+    (:func:`~distlinalg.operators.linearise`).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -124,23 +127,48 @@ class SampleGramOperator(ModelOperator):
       (True, True)
     """
 
-    def __init__(self, model: LinearisedModel, diag_shift: Any):
-        # From the model's static spec only: this is also the unflatten.
-        super().__init__(
-            _sample_gram_matvec,
-            data=(model, diag_shift),
-            input_structure=sample_structure(model),
-            layout="sharded",
-            symmetric=model.mode != "holomorphic",
-            hermitian=True,
-            diagonal=_sample_gram_diagonal,
-            comm=model.comm,
-            name="SampleGramOperator",
-        )
+    point: ModelPoint
+    diag_shift: Any = 0.0
 
-    def prepare(self) -> None:
-        """Linearise the model in the current trace, unless done there or in an enclosing one."""
-        self.model.prepare()
+    layout = "sharded"
+    hermitian = True
+
+    @property
+    def model(self) -> ModelPoint:
+        """The point (earlier versions' name)."""
+        return self.point
+
+    @property
+    def params(self) -> Any:
+        """The parameters the model is expanded at (or their cotangent)."""
+        return self.point.params
+
+    @property
+    def samples(self) -> Any:
+        """This rank's samples (or their cotangent)."""
+        return self.point.samples
+
+    @property
+    def in_structure(self) -> Structure:
+        return Structure.of(sample_structure(self.point))
+
+    @property
+    def out_structure(self) -> Structure:
+        return self.in_structure
+
+    @property
+    def comm(self) -> Communicator:
+        return self.point.comm
+
+    @property
+    def symmetric(self) -> bool:
+        return self.point.mode != "holomorphic"
+
+    def _matvec(self, x: jax.Array) -> jax.Array:
+        return sample_gram_product(self.point.jacobian(), x) + self.diag_shift * x
+
+    def _diagonal(self) -> jax.Array:
+        return sample_gram_diagonal(self.point.jacobian(), self.diag_shift)
 
     @property
     def n_samples(self) -> int:
@@ -159,7 +187,7 @@ class SampleGramOperator(ModelOperator):
         N·k unit vectors (batched), whose intermediate is N·k × this rank's
         parameter block. Every rank must call it together.
         """
-        model = self.model
+        model = self.point.linearise()
         k = model.channels
         if not model.sharded_params and not model.communicates:
             rows = ring_products(model.local_rows(), model.counts, k, model.comm) / model.n_total
@@ -244,29 +272,34 @@ def sample_gram(
       >>> bool(jnp.allclose(T.to_dense(gather=True), O @ O.T / len(X) + 1e-2 * jnp.eye(len(X)), atol=1e-5))
       True
     """
-    comm = resolve_comm(comm)
-    model = LinearisedModel(f, params, samples, mode=mode, center=center, chunk_size=chunk_size, comm=comm,
-                            sharded_params=sharded_params, where=_NAME)
-    return sample_gram_operator(model, diag_shift)
+    point = ModelPoint.build(f, params, samples, mode=mode, center=center, chunk_size=chunk_size, comm=comm,
+                             sharded_params=sharded_params, where=_NAME)
+    return SampleGramOperator(point=point, diag_shift=diag_shift)
 
 
-def sample_gram_operator(model: LinearisedModel, diag_shift: Any) -> SampleGramOperator:
-    """T + λ I of an already linearised model (see :func:`sample_gram`)."""
-    return SampleGramOperator(model, diag_shift)
+def sample_gram_operator(point: ModelPoint, diag_shift: Any) -> SampleGramOperator:
+    """T + λ I at a :class:`~distlinalg.operators.ModelPoint` (see :func:`sample_gram`)."""
+    return SampleGramOperator(point=point, diag_shift=diag_shift)
 
 
-def _sample_gram_matvec(data: tuple, x: jax.Array) -> jax.Array:
-    model, diag_shift = data
-    return sample_gram_product(model, x) + diag_shift * x
-
-
-def _sample_gram_diagonal(data: tuple) -> jax.Array:
-    """T_ii = |Ō_i|² / N + λ from this rank's rows (formed once per trace)."""
-    model, diag_shift = data
+def sample_gram_diagonal(model: Jacobian, diag_shift: Any, squares: Any = None) -> jax.Array:
+    """T_ii = |Ō_i|² / N + λ from this rank's rows (`squares`: |Ō_i|² / N when already formed)."""
     if model.sharded_params or model.communicates:
         raise NotImplementedError(f"{_NAME}: the diagonal needs replicated parameters and a model "
                                   "that does not communicate")
     structure = sample_structure(model)
-    squares = model.cached("sample_diagonal",
-                           lambda: jnp.sum(jnp.abs(model.local_rows()) ** 2, axis=1) / model.n_total)
+    if squares is None:
+        squares = jnp.sum(jnp.abs(model.local_rows()) ** 2, axis=1) / model.n_total
     return (squares.reshape(structure.shape) + diag_shift).astype(structure.dtype)
+
+
+@linearise.register
+def _linearise_sample_gram(T: SampleGramOperator) -> LinearOperator:
+    """The model linearised once (the diagonal, when asked for, formed once per call)."""
+    model = T.point.linearise()
+    return function_operator(
+        lambda x: sample_gram_product(model, x) + T.diag_shift * x,
+        diagonal=lambda: sample_gram_diagonal(model, T.diag_shift),
+        input_structure=T.in_structure, layout="sharded", symmetric=T.symmetric, hermitian=True,
+        comm=T.comm, name=T.name, linearisation=model,
+    )

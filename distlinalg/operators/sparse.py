@@ -50,7 +50,8 @@ from .._mpi import Communicator, resolve_comm
 from ..comm.alltoall import alltoall
 from ..comm.nonblocking_p2p import irecv, isend
 from ..comm.overlap import overlap
-from ._base import LinearOperator
+from .._trees import Structure
+from ._base import LinearOperator, operator_class, static
 from ._partition import Partition, exchange_rows, exchange_sizes, partition_of_local_sizes, resolve_halo_mode, resolve_partition
 
 _NAME = "distlinalg.operators.sparse_rows"
@@ -220,14 +221,17 @@ class _Block:
                                    indices_are_sorted=True).astype(dtype)
 
 
+@operator_class
 class SparseRowsOperator(LinearOperator):
     """A row-partitioned sparse matrix (see :func:`sparse_rows`).
 
-    Pytree: the children are this rank's values in CSR order and their
-    copies laid out for the local product (computed once, when the operator
-    is built or by :meth:`with_data`); the pattern, partitions and halo plan
-    are static. Differentiate with respect to the values by building the
-    operator inside the differentiated function (``with_data``).
+    Pytree: the children are this rank's values in CSR order (`data`) and
+    their copies laid out for the local product (`laid_out`, made once from
+    `data` when the operator is built or by :meth:`with_data`); the pattern
+    (partitions, halo plan, storage) is static, compared by identity, and
+    the flags and communicator by value. Differentiate with respect to the
+    values by building the operator inside the differentiated function
+    (``with_data``), or with respect to an operator passed in.
 
     Example:
       >>> import jax.numpy as jnp, scipy.sparse as sp
@@ -239,53 +243,71 @@ class SparseRowsOperator(LinearOperator):
       (True, True)
     """
 
-    def __init__(self, *, data: Any, pattern: "_Pattern", symmetric: bool, hermitian: bool, comm: Communicator):
-        data = jnp.asarray(data)
-        if data.shape != (pattern.nnz,):
-            raise ValueError(f"{_NAME}: data must have shape ({pattern.nnz},) (this rank's nonzeros in CSR "
+    data: Any
+    pattern: _Pattern = static()
+    symmetric: bool = static(default=False)
+    hermitian: bool = static(default=False)
+    comm: Communicator = static(default=None)
+    laid_out: Any = None
+
+    layout = "sharded"
+
+    def __post_init__(self) -> None:
+        if self.laid_out is not None:  # (unflattened: children as they come)
+            return
+        # Built here: the values checked and laid out for the product, a
+        # gather done once rather than in every matvec.
+        data = jnp.asarray(self.data)
+        if data.shape != (self.pattern.nnz,):
+            raise ValueError(f"{_NAME}: data must have shape ({self.pattern.nnz},) (this rank's nonzeros in CSR "
                              f"order), got {data.shape}")
         if not jnp.issubdtype(data.dtype, jnp.inexact):
             data = data.astype(jnp.result_type(float))
-        dtype = data.dtype
-        super().__init__(
-            functools.partial(_sparse_matvec, pattern=pattern, comm=comm),
-            transpose=functools.partial(_sparse_transpose, pattern=pattern, comm=comm),
-            # (values in CSR order, values laid out for the product): the
-            # layout is a gather, done here once rather than in every matvec.
-            data=(data, pattern.local_values(data)),
-            input_structure=jax.ShapeDtypeStruct((pattern.columns.size_of(comm.rank),), dtype),
-            output_structure=jax.ShapeDtypeStruct((pattern.rows.size_of(comm.rank),), dtype),
-            layout="sharded",
-            symmetric=symmetric,
-            hermitian=hermitian,
-            diagonal=(functools.partial(_sparse_diagonal, pattern=pattern, rank=comm.rank)
-                      if pattern.diagonal_positions is not None else None),
-            comm=comm,
-            name="SparseRowsOperator",
-        )
-        self.pattern = pattern
+        object.__setattr__(self, "data", data)
+        object.__setattr__(self, "comm", resolve_comm(self.comm))
+        object.__setattr__(self, "laid_out", self.pattern.local_values(data))
 
     @property
-    def data(self) -> jax.Array:
-        """This rank's values in CSR order (shape (nnz_r,))."""
-        return self._data[0]
+    def in_structure(self) -> Structure:
+        return Structure.of(jax.ShapeDtypeStruct((self.pattern.columns.size_of(self.comm.rank),),
+                                                 jnp.result_type(self.data)))
+
+    @property
+    def out_structure(self) -> Structure:
+        return Structure.of(jax.ShapeDtypeStruct((self.pattern.rows.size_of(self.comm.rank),),
+                                                 jnp.result_type(self.data)))
+
+    @property
+    def has_diagonal(self) -> bool:
+        return self.pattern.diagonal_positions is not None
 
     @property
     def local_csr(self) -> tuple[jax.Array, np.ndarray, np.ndarray]:
         """This rank's (data, global column indices, indptr): the order `data` follows."""
         return self.data, self.pattern.indices, self.pattern.indptr
 
-    def with_data(self, data: Any) -> "SparseRowsOperator":
+    def with_data(self, data: Any) -> SparseRowsOperator:
         """The same pattern (no communication to rebuild it) with new values."""
         return SparseRowsOperator(data=data, pattern=self.pattern, symmetric=self.symmetric,
                                   hermitian=self.hermitian, comm=self.comm)
 
+    def _matvec(self, x: Any) -> Any:
+        return _sparse_matvec(self.laid_out, x, pattern=self.pattern, comm=self.comm)
 
-def _sparse_matvec(values: tuple, x: Any, *, pattern: "_Pattern", comm: Communicator, blocking: bool = False) -> Any:
+    def _transpose_matvec(self, w: Any) -> Any:
+        return _sparse_transpose(self.laid_out, w, dtype=jnp.result_type(self.data), pattern=self.pattern,
+                                 comm=self.comm)
+
+    def _diagonal(self) -> Any:
+        rows_at, data_at = self.pattern.diagonal_positions
+        return jnp.zeros(self.pattern.rows.size_of(self.comm.rank), self.data.dtype).at[rows_at].add(self.data[data_at])
+
+
+def _sparse_matvec(laid_out: tuple, x: Any, *, pattern: _Pattern, comm: Communicator, blocking: bool = False) -> Any:
     """(A x)_r from the laid-out values, the halo entries exchanged as `pattern.halo_mode` says."""
     x = jnp.asarray(x)
     plan = pattern.plan
-    own_values, halo_values = values[1]
+    own_values, halo_values = laid_out
     if not plan.width:  # no rank needs anything from another
         return pattern.own.product(own_values, x)
     if blocking or pattern.halo_mode == "blocking":  # a collective: every rank takes part, halo or not
@@ -299,7 +321,7 @@ def _sparse_matvec(values: tuple, x: Any, *, pattern: "_Pattern", comm: Communic
     return pattern.add_halo_product(halo_values, y, received)
 
 
-def _sparse_transpose(values: tuple, w: Any, *, pattern: "_Pattern", comm: Communicator) -> Any:
+def _sparse_transpose(laid_out: tuple, w: Any, *, dtype: Any, pattern: _Pattern, comm: Communicator) -> Any:
     """(Aᵀ w)_r: the transpose of the matvec with the blocking exchange (the alltoall's
     transpose sends the halo cotangents back), whichever the halo mode.
 
@@ -307,9 +329,9 @@ def _sparse_transpose(values: tuple, w: Any, *, pattern: "_Pattern", comm: Commu
     no JVP), a point-to-point message cannot tell its sender whether the
     returning cotangent is batched, and ``.T.to_dense()`` maps it over a basis.
     """
-    structure = jax.ShapeDtypeStruct((pattern.columns.size_of(comm.rank),), values[0].dtype)
-    matvec = functools.partial(_sparse_matvec, values, pattern=pattern, comm=comm, blocking=True)
-    (result,) = jax.linear_transpose(matvec, structure)(jnp.asarray(w, values[0].dtype))
+    structure = jax.ShapeDtypeStruct((pattern.columns.size_of(comm.rank),), dtype)
+    matvec = functools.partial(_sparse_matvec, laid_out, pattern=pattern, comm=comm, blocking=True)
+    (result,) = jax.linear_transpose(matvec, structure)(jnp.asarray(w, dtype))
     return result
 
 
@@ -333,12 +355,6 @@ def _exchange_while(own_product: Any, x: jax.Array, plan: HaloPlan, comm: Commun
     for q, piece in zip(senders, arrived):
         blocks[q] = jnp.pad(piece, (0, width - piece.shape[0]))
     return jnp.concatenate(blocks), y
-
-
-def _sparse_diagonal(values: tuple, *, pattern: "_Pattern", rank: int) -> jax.Array:
-    data = values[0]
-    rows_at, data_at = pattern.diagonal_positions
-    return jnp.zeros(pattern.rows.size_of(rank), data.dtype).at[rows_at].add(data[data_at])
 
 
 class _Pattern:

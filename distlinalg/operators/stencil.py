@@ -21,7 +21,6 @@ Two ways to exchange the halo rows, chosen by ``halo=``:
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -31,7 +30,8 @@ from .._mpi import MPI, Communicator, resolve_comm
 from ..comm.nonblocking_p2p import irecv, isend
 from ..comm.overlap import fence, overlap
 from ..comm.p2p import sendrecv
-from ._base import LinearOperator
+from .._trees import Structure
+from ._base import LinearOperator, operator_class, static
 from ._partition import Partition, resolve_halo_mode, resolve_partition
 
 
@@ -103,18 +103,20 @@ def _materialized(block: jax.Array) -> jax.Array:
     return fence(block, pass_through=False, mpi_order=False)
 
 
+@operator_class
 class Laplacian2D(LinearOperator):
     """The matrix-free 2-D Laplacian of :func:`laplacian_2d` (rank's block of grid rows).
 
-    Pytree: no children (the operator has no arrays). Its static part is
-    (n, the grid-row partition, dtype, communicator, halo mode), compared by value, so
-    every ``laplacian_2d(n)`` of the same arguments has the same tree
-    definition and a jitted function taking it compiles once. Rebuilding it
-    from that part neither computes nor communicates (the partition was
-    agreed at construction).
+    Pytree: no children (the operator has no arrays). Its static fields
+    (n, the grid-row partition, dtype, communicator, halo mode) are compared
+    by value, so every ``laplacian_2d(n)`` of the same arguments has the
+    same tree definition and a jitted function taking it compiles once.
+    Rebuilding it from them neither computes nor communicates (the
+    partition was agreed at construction).
 
     Attributes:
       n: grid points per side.
+      row_partition: the grid rows of every rank (a :class:`Partition`).
       grid_rows: this rank's grid rows (s_r, s_{r+1}).
       halo: "overlapped" or "blocking" (module docstring).
 
@@ -129,42 +131,50 @@ class Laplacian2D(LinearOperator):
       (4, 'blocking', True)
     """
 
-    def __init__(self, n: int, grid_rows: Partition, dtype: Any, comm: Communicator, halo: str = "blocking"):
-        rank = comm.rank
-        mine = grid_rows.size_of(rank)
-        holders = [r for r in range(comm.size) if grid_rows.size_of(r) > 0]
+    n: int = static()
+    row_partition: Partition = static()
+    dtype: Any = static()
+    comm: Communicator = static()
+    halo: str = static(default="blocking")
+
+    layout = "sharded"
+    symmetric = True
+    hermitian = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+
+    @property
+    def grid_rows(self) -> tuple[int, int]:
+        rank = self.comm.rank
+        return self.row_partition.starts[rank], self.row_partition.starts[rank + 1]
+
+    @property
+    def in_structure(self) -> Structure:
+        return Structure.of(jax.ShapeDtypeStruct((self.row_partition.size_of(self.comm.rank) * self.n,), self.dtype))
+
+    @property
+    def out_structure(self) -> Structure:
+        return self.in_structure
+
+    def _geometry(self) -> _Geometry:
+        """This rank's rows and its neighbours (the ranks holding the rows above and below)."""
+        rank, partition = self.comm.rank, self.row_partition
+        mine = partition.size_of(rank)
+        holders = [r for r in range(self.comm.size) if partition.size_of(r) > 0]
         if mine:
             position = holders.index(rank)
             up = holders[position - 1] if position > 0 else MPI.PROC_NULL
             down = holders[position + 1] if position + 1 < len(holders) else MPI.PROC_NULL
         else:
             up = down = MPI.PROC_NULL
-        geometry = _Geometry(n, mine, up, down, comm, halo)
-        super().__init__(
-            functools.partial(_laplacian_matvec, geometry=geometry),
-            # Bound to an empty tuple, not a closure: nothing is a child, and
-            # the diagonal is recomputed rather than cached as a child (which
-            # would change the tree definition after a first diagonal()).
-            data=(),
-            input_structure=jax.ShapeDtypeStruct((mine * n,), dtype),
-            layout="sharded",
-            symmetric=True,
-            hermitian=True,
-            diagonal=lambda _: jnp.full((mine * n,), 4, dtype),
-            comm=comm,
-            name="Laplacian2D",
-        )
-        self._static_key = (n, grid_rows, jnp.dtype(dtype), comm, halo)
-        self.grid_rows = (grid_rows.starts[rank], grid_rows.starts[rank + 1])
-        self.n = n
-        self.halo = halo
+        return _Geometry(self.n, mine, up, down, self.comm, self.halo)
 
-    def _tree_flatten(self) -> tuple[tuple[()], tuple]:
-        return (), self._static_key
+    def _matvec(self, v: Any) -> Any:
+        return _laplacian_matvec(v, geometry=self._geometry())
 
-    @classmethod
-    def _tree_unflatten(cls, static: tuple, children: tuple[()]) -> "Laplacian2D":
-        return cls(*static)
+    def _diagonal(self) -> Any:
+        return jnp.full(self.in_structure.leaves[0].shape, 4, self.dtype)
 
 
 class _Geometry(NamedTuple):
@@ -181,7 +191,7 @@ class _Geometry(NamedTuple):
 _ABOVE_TAG, _BELOW_TAG = 1, 2
 
 
-def _laplacian_matvec(_: tuple, v: Any, *, geometry: _Geometry) -> Any:
+def _laplacian_matvec(v: Any, *, geometry: _Geometry) -> Any:
     n, mine, up, down, comm, halo = geometry
     v = jnp.asarray(v)
     if not mine:
@@ -277,4 +287,4 @@ def laplacian_2d(
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(float)
     halo = resolve_halo_mode(halo, comm, "distlinalg.operators.laplacian_2d")
     grid_rows: Partition = resolve_partition(row_partition, n, comm, "row_partition")
-    return Laplacian2D(n, grid_rows, dtype, comm, halo)
+    return Laplacian2D(n=n, row_partition=grid_rows, dtype=dtype, comm=comm, halo=halo)

@@ -21,8 +21,8 @@ import numpy as np
 
 from .._mpi import Communicator, resolve_comm
 from ..comm.allgather import allgather
-from ..operators._base import LAYOUTS, LinearOperator, aslinearoperator  # operators never import the solvers
-from ..operators._pairs import join_complex, paired_operator, split_complex
+from .._trees import join_complex, split_complex
+from ..operators import LAYOUTS, LinearOperator, aslinearoperator, linearise  # operators never import the solvers
 from ._common import Reductions
 
 INT32_MAX = 2**31 - 1
@@ -76,8 +76,10 @@ def setup(A: Any, b: Any, x0: Any, M: Any, tol: Any, rtol: Any, atol: Any, maxit
         b_ = as_arrays(b)
         x0_ = jax.tree_util.tree_map(jnp.zeros_like, b_) if x0 is None else as_arrays(x0)
         check_same_structure(b_, x0_)
-        matvec = solver_operator(A, checked_layout, comm, b_, "A").matvec
-        precond = identity if M is None else solver_operator(M, checked_layout, comm, b_, "M").matvec
+        # Linearised once, here: the loops apply the linearisation (a model
+        # operator's model is evaluated once per solve, not per iteration).
+        matvec = linearise(solver_operator(A, checked_layout, comm, b_, "A")).matvec
+        precond = identity if M is None else linearise(solver_operator(M, checked_layout, comm, b_, "M")).matvec
         return Problem(matvec, precond, x0_, rtol_, atol_, maxiter_, Reductions(checked_layout, comm),
                        bad_tolerance | bad_maxiter, b_)
 
@@ -158,8 +160,8 @@ def solve_real_linear(solver: Callable[..., Any], A: Any, b: Any, x0: Any, M: An
     if M is not None and not isinstance(M, LinearOperator):
         comm = resolve_comm(options.get("comm") or A.comm)
         M = collectively(lambda: solver_operator(M, layout, comm, b, "M"), comm)
-    x, info = solver(paired_operator(A, b), split_complex(b), None if x0 is None else split_complex(x0),
-                     M=None if M is None else paired_operator(M, b), **options)
+    x, info = solver(A.real_pairs(b), split_complex(b), None if x0 is None else split_complex(x0),
+                     M=None if M is None else M.real_pairs(b), **options)
     return join_complex(x, b), info
 
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._mpi import resolve_comm
-from ..operators import LinearOperator
+from ..operators import LinearOperator, linearise
 from . import _arguments
 from ._common import Reason, Reductions
 from ._eigen import (CONVERGED, MAX_ITERATIONS, WHICH, Found, Params, combine, grams, ordering, residuals, row,
@@ -203,8 +203,10 @@ def eigsh(
     relative = eps if tol is None or tol == 0 else float(tol)
     _agree(f"k={k} which={which} method={method} ncv={basis} maxiter={cycles} tol={relative!r} n={n} "
            f"layout={checked_layout} dtype={jnp.dtype(dtype).name}", comm)
-    matvec, consts = jax.closure_convert(op.matvec, start)
-    preconditioner, precond_consts = (None, []) if precond is None else jax.closure_convert(precond.matvec, start)
+    # Linearised once, here (a model operator's model is evaluated once per eigensolve).
+    matvec, consts = jax.closure_convert(linearise(op).matvec, start)
+    preconditioner, precond_consts = ((None, []) if precond is None
+                                      else jax.closure_convert(linearise(precond).matvec, start))
     params = Params(k, which, basis, cycles, relative, checked_layout, comm, method, len(consts))
     return _eigsh(params, matvec, preconditioner, start, *consts, *precond_consts)
 

@@ -26,11 +26,8 @@ from jax.flatten_util import ravel_pytree
 
 from .._mpi import resolve_comm
 from ..comm.allreduce import allreduce
-from ..operators._jacobian import LinearisedModel, flat_size, tree_map
-from ..operators._pairs import stack_complex, unstack_complex
-from ..operators._partition import allgather_blocks, exchange_sizes, partition_of_local_sizes
-from ..operators.gram import gram_operator
-from ..operators.sample_gram import sample_gram_operator, sample_structure
+from .._trees import stack_complex, tree_map, unstack_complex
+from ..operators import GramOperator, Jacobian, ModelPoint, Partition, SampleGramOperator, linearise
 from ._arguments import collectively
 from ._common import Reason, SolverInfo
 from .cg import cg
@@ -44,7 +41,7 @@ _NAME = "distlinalg.natural_gradient"
 
 
 # -- the pieces, as in the formulas above ---------------------------------------------
-def residual_rows(model: LinearisedModel, residuals: jax.Array) -> jax.Array:
+def residual_rows(model: ModelPoint, residuals: jax.Array) -> jax.Array:
     """e as (n_r, k) rows of the mode: Re e ("real"), (Re e, Im e) ("complex"), e."""
     e = jnp.asarray(residuals)
     if model.mode == "holomorphic":
@@ -54,7 +51,7 @@ def residual_rows(model: LinearisedModel, residuals: jax.Array) -> jax.Array:
     return jnp.real(e).astype(model.dtype)[:, None]
 
 
-def centred(model: LinearisedModel, rows: jax.Array) -> jax.Array:
+def centred(model: ModelPoint, rows: jax.Array) -> jax.Array:
     """ē = e − mean over every rank's samples (per channel)."""
     total = jnp.sum(rows, axis=0)
     if model.comm.size > 1:
@@ -62,19 +59,19 @@ def centred(model: LinearisedModel, rows: jax.Array) -> jax.Array:
     return rows - total[None, :] / model.n_total
 
 
-def force(model: LinearisedModel, e: jax.Array, centred_input: bool) -> Any:
+def force(model: Jacobian, e: jax.Array, centred_input: bool) -> Any:
     """F = Ōᴴ ē / N, in the mode's parameter space."""
     return tree_map(lambda g: g / model.n_total, model.adjoint(e, centred_input=centred_input))
 
 
-def choose_space(model: LinearisedModel, space: str) -> str:
+def choose_space(point: ModelPoint, space: str) -> str:
     """"auto": the smaller of the two systems (N·k against n), the same on every rank."""
     if space != "auto":
         return space
-    n_params = flat_size(model.theta)
-    if model.sharded_params:
-        n_params = int(exchange_sizes(n_params, model.comm).sum())
-    return "samples" if model.n_total * model.channels < n_params else "parameters"
+    n_params = point.params_structure.size * (2 if point.split else 1)  # entries of θ̃
+    if point.sharded_params:
+        n_params = Partition.of_local_sizes(n_params, point.comm).total
+    return "samples" if point.n_total * point.channels < n_params else "parameters"
 
 
 def _dense_solve(matrix: jax.Array, rhs: jax.Array) -> tuple[jax.Array, SolverInfo]:
@@ -99,9 +96,10 @@ def _krylov(solver: Any, operator: Any, rhs: Any, rtol: Any, atol: Any, maxiter:
     return method(operator, rhs, rtol=rtol, atol=atol, maxiter=maxiter)
 
 
-def parameter_space_update(model, e, *, diag_shift, solver, rtol, atol, maxiter, centred_input):
-    """(S + λ) δ = F, δ shaped like params."""
-    S = gram_operator(model, diag_shift)
+def parameter_space_update(point, e, *, diag_shift, solver, rtol, atol, maxiter, centred_input):
+    """(S + λ) δ = F, δ shaped like params; the model linearised once for both."""
+    S = linearise(GramOperator(point=point, diag_shift=diag_shift))
+    model = S.linearisation
     F = model.from_space(force(model, e, centred_input))
     if solver != "cholesky":
         return _krylov(solver, S, F, rtol, atol, maxiter)
@@ -119,7 +117,7 @@ def parameter_space_update(model, e, *, diag_shift, solver, rtol, atol, maxiter,
     return model.from_space(unravel_theta(x)), info
 
 
-def dense_gram(model: LinearisedModel, diag_shift: Any) -> jax.Array:
+def dense_gram(model: Jacobian, diag_shift: Any) -> jax.Array:
     """S + λ I as a dense n × n matrix in the mode's parameter space: Σ over
     ranks of R_rᴴ R_r / N from this rank's Jacobian rows (one n²-sized allreduce)."""
     rows = model.local_rows()
@@ -129,17 +127,18 @@ def dense_gram(model: LinearisedModel, diag_shift: Any) -> jax.Array:
     return S / model.n_total + diag_shift * jnp.eye(S.shape[0], dtype=S.dtype)
 
 
-def sample_space_update(model, e, *, diag_shift, solver, rtol, atol, maxiter):
-    """(T + λ) x = ē over the samples (sharded), then δ = Ōᴴ x / N."""
-    T = sample_gram_operator(model, diag_shift)
-    rhs = jnp.reshape(e, sample_structure(model).shape)
+def sample_space_update(point, e, *, diag_shift, solver, rtol, atol, maxiter):
+    """(T + λ) x = ē over the samples (sharded), then δ = Ōᴴ x / N; the model linearised once."""
+    T = linearise(SampleGramOperator(point=point, diag_shift=diag_shift))
+    model = T.linearisation
+    rhs = jnp.reshape(e, point.sample_structure.shape)
     if solver != "cholesky":
         x, info = _krylov(solver, T, rhs, rtol, atol, maxiter)
     else:
         flat_rhs = jnp.reshape(rhs, (-1,))
-        partition = partition_of_local_sizes(flat_rhs.shape[0], model.comm)
-        whole = allgather_blocks(flat_rhs, partition, model.comm)
-        solution, info = _dense_solve(T.to_dense(gather=True), whole)
+        whole = Partition.of_local_sizes(flat_rhs.shape[0], point.comm).allgather(flat_rhs, point.comm)
+        dense = SampleGramOperator(point=point, diag_shift=diag_shift).to_dense(gather=True)
+        solution, info = _dense_solve(dense, whole)
         offset = int(model.counts[: model.comm.rank].sum()) * model.channels
         x = jnp.reshape(solution[offset : offset + flat_rhs.shape[0]], rhs.shape)
     rows = jnp.reshape(x, (model.n_local, model.channels))
@@ -241,8 +240,8 @@ def natural_gradient(
         raise ValueError(f"{_NAME}: space must be one of {SPACES}, got {space!r}")
     if not (callable(solver) or solver in SOLVERS):
         raise ValueError(f"{_NAME}: solver must be one of {SOLVERS} or a callable, got {solver!r}")
-    model = LinearisedModel(f, params, samples, mode=mode, center=center, chunk_size=chunk_size, comm=comm,
-                            sharded_params=sharded_params, where=_NAME)
+    model = ModelPoint.build(f, params, samples, mode=mode, center=center, chunk_size=chunk_size, comm=comm,
+                             sharded_params=sharded_params, where=_NAME)
 
     def rows_of_residuals() -> jax.Array:
         shape = jnp.shape(residuals)

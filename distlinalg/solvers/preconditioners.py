@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..operators._base import LinearOperator, aslinearoperator
+from ..operators import LinearOperator, aslinearoperator
 
 
 def jacobi(A_or_diagonal: Any) -> Callable[[Any], Any]:
