@@ -16,6 +16,7 @@ solvers call once) linearises it. docs/operators.md: the contract, and how
 to add an operator.
 """
 
+from .._trees import Structure
 from ._base import LAYOUTS, FunctionOperator, LinearOperator, linearise, operator_class, static
 from ._convert import aslinearoperator
 from ._jacobian import Jacobian, ModelPoint
@@ -32,6 +33,7 @@ __all__ = [
     "FunctionOperator",
     "operator_class",
     "static",
+    "Structure",
     "linearise",
     "aslinearoperator",
     "Partition",

@@ -49,7 +49,17 @@ LAYOUTS = ("replicated", "sharded")
 
 # -- declaring operators -------------------------------------------------------------
 def static(**kwargs: Any) -> Any:
-    """A dataclass field that is static data of the pytree (not a child), compared by value."""
+    """A dataclass field that is static data of the pytree (not a child), compared by value.
+
+    Takes :func:`dataclasses.field`'s arguments (``default``,
+    ``default_factory``, ...); :func:`operator_class` has a whole operator.
+
+    Example:
+      >>> import dataclasses
+      >>> from distlinalg.operators import static
+      >>> static(default="sharded").metadata["static"]
+      True
+    """
     metadata = dict(kwargs.pop("metadata", None) or {}, static=True)
     return dataclasses.field(metadata=metadata, **kwargs)
 
@@ -60,7 +70,27 @@ def operator_class(cls: type) -> type:
     Fields made with :func:`static` are the tree definition; the others are
     children. Unflattening calls the constructor with the fields, so
     ``__post_init__`` must not compute on children (JAX unflattens with
-    tracers, cotangents and placeholder objects alike).
+    tracers, cotangents and placeholder objects alike). docs/operators.md
+    has the whole contract.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from distlinalg import operators as ops
+      >>> @ops.operator_class
+      ... class Scaling(ops.LinearOperator):              # v ↦ d ∘ v, replicated
+      ...     d: jax.Array                             # a child
+      ...     layout: str = ops.static(default="replicated")
+      ...     comm: object = ops.static(default=None)
+      ...     symmetric = hermitian = True
+      ...     @property
+      ...     def in_structure(self):
+      ...         return ops.Structure.of(self.d)
+      ...     out_structure = in_structure
+      ...     def _matvec(self, v):
+      ...         return self.d * v
+      >>> A = Scaling(d=jnp.array([1.0, 2.0]))
+      >>> jax.jit(lambda A, v: A @ v)(A, jnp.ones(2)), jax.tree_util.tree_leaves(A)[0].shape
+      (Array([1., 2.], dtype=float32), (2,))
     """
     cls = dataclasses.dataclass(frozen=True, eq=False, kw_only=True, repr=False)(cls)
     return jax.tree_util.register_dataclass(cls)
@@ -470,12 +500,19 @@ def linearise(operator: LinearOperator) -> LinearOperator:
 class FunctionOperator(LinearOperator):
     """An operator made of functions: what ``LinearOperator(matvec, ...)`` returns.
 
-    Fields (see :class:`LinearOperator` for the arguments of its constructor):
-      data: the children, passed to the functions first when `bound`.
-      diagonal_value: the diagonal as arrays (a child), or None.
-      fn, transpose_fn, diagonal_fn: static functions (compared by identity).
-      linearisation: what the functions close over when the operator is the
-        result of :func:`linearise` (e.g. the model's Jacobian), else None.
+    Its fields (the arguments of the constructor are :class:`LinearOperator`'s):
+    `data`, the children, passed to the functions first when `bound`;
+    `diagonal_value`, the diagonal as arrays (a child) or None; `fn`,
+    `transpose_fn`, `diagonal_fn`, static functions compared by identity;
+    `linearisation`, what the functions close over when the operator is the
+    result of :func:`linearise` (e.g. the model's Jacobian), else None.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg.operators import FunctionOperator, LinearOperator
+      >>> A = LinearOperator(lambda M, v: M @ v, data=jnp.eye(2), input_structure=jnp.zeros(2))
+      >>> isinstance(A, FunctionOperator), A.bound, A.data.shape
+      (True, True, (2, 2))
     """
 
     fn: Callable[..., Any] = static()
@@ -626,9 +663,18 @@ def _same_structure(x: Structure | None, y: Structure | None) -> bool:
 
 @operator_class
 class _Unary(LinearOperator):
-    """An operator derived from one other (its only child)."""
+    """An operator derived from one other (its only child): the same vectors,
+    layout, communicator and flags unless it says otherwise."""
 
     operand: LinearOperator
+
+    @property
+    def in_structure(self) -> Structure | None:
+        return self.operand.in_structure
+
+    @property
+    def out_structure(self) -> Structure | None:
+        return self.operand.out_structure
 
     @property
     def layout(self) -> str:
@@ -637,6 +683,14 @@ class _Unary(LinearOperator):
     @property
     def comm(self) -> Communicator:
         return self.operand.comm
+
+    @property
+    def symmetric(self) -> bool:
+        return self.operand.symmetric
+
+    @property
+    def hermitian(self) -> bool:
+        return self.operand.hermitian
 
     @property
     def real_linear(self) -> bool:
@@ -648,8 +702,8 @@ class _Unary(LinearOperator):
 
 
 @operator_class
-class TransposedOperator(_Unary):
-    """Aᵀ (see :attr:`LinearOperator.T`)."""
+class _Swapped(_Unary):
+    """A transpose: input and output exchanged."""
 
     @property
     def in_structure(self) -> Structure | None:
@@ -659,13 +713,10 @@ class TransposedOperator(_Unary):
     def out_structure(self) -> Structure | None:
         return self.operand.in_structure
 
-    @property
-    def symmetric(self) -> bool:
-        return self.operand.symmetric
 
-    @property
-    def hermitian(self) -> bool:
-        return self.operand.hermitian
+@operator_class
+class TransposedOperator(_Swapped):
+    """Aᵀ (see :attr:`LinearOperator.T`)."""
 
     @property
     def name(self) -> str:
@@ -682,16 +733,8 @@ class TransposedOperator(_Unary):
 
 
 @operator_class
-class AdjointOperator(_Unary):
+class AdjointOperator(_Swapped):
     """Aᴴ (see :attr:`LinearOperator.H`)."""
-
-    @property
-    def in_structure(self) -> Structure | None:
-        return self.operand.out_structure
-
-    @property
-    def out_structure(self) -> Structure | None:
-        return self.operand.in_structure
 
     @property
     def name(self) -> str:
@@ -710,22 +753,6 @@ class AdjointOperator(_Unary):
 @operator_class
 class ConjugatedOperator(_Unary):
     """Ā: v ↦ conj(A conj(v)) (see :meth:`LinearOperator.conj`)."""
-
-    @property
-    def in_structure(self) -> Structure | None:
-        return self.operand.in_structure
-
-    @property
-    def out_structure(self) -> Structure | None:
-        return self.operand.out_structure
-
-    @property
-    def symmetric(self) -> bool:
-        return self.operand.symmetric
-
-    @property
-    def hermitian(self) -> bool:
-        return self.operand.hermitian
 
     @property
     def name(self) -> str:
@@ -868,18 +895,6 @@ class ScaledOperator(_Unary):
     """``c * A`` for a scalar c (a child: possibly traced, differentiated)."""
 
     scale: Any
-
-    @property
-    def in_structure(self) -> Structure | None:
-        return self.operand.in_structure
-
-    @property
-    def out_structure(self) -> Structure | None:
-        return self.operand.out_structure
-
-    @property
-    def symmetric(self) -> bool:
-        return self.operand.symmetric
 
     @property
     def hermitian(self) -> bool:

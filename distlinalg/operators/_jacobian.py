@@ -55,6 +55,7 @@ from .._trees import Structure, flat_size, is_complex, join_complex, leaves, spl
 from ..comm import _core
 from ..comm.allreduce import allreduce
 from ..comm.fused import tree_allreduce
+from ._base import LinearOperator, operator_class
 from ._partition import exchange_sizes
 
 MODES = ("real", "complex", "holomorphic")
@@ -295,7 +296,18 @@ class Jacobian:
 
     Not a pytree and not kept: made by ``point.jacobian()`` (the model
     evaluated in every product) or ``point.linearise()`` (linearised once,
-    with the mean row), and used in the trace it was made in.
+    with the mean row), and used in the trace it was made in. ``jvp(u)``
+    gives this rank's rows of Ō u, shape (n_local, k); ``vjp(w)`` and
+    ``adjoint(w)`` give Ōᵀ w and Ōᴴ w summed over every rank's samples.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import ModelPoint
+      >>> x = jax.random.normal(jax.random.PRNGKey(comm.rank()), (4, 3))
+      >>> J = ModelPoint.build(lambda w, x: x @ w, jnp.ones(3), x, center=False).linearise()
+      >>> bool(jnp.allclose(J.jvp(jnp.ones(3))[:, 0], x.sum(axis=1)))   # O u, this rank's rows
+      True
     """
 
     def __init__(self, point: ModelPoint, *, linearised: bool):
@@ -519,3 +531,36 @@ class Jacobian:
                 mean_c = tree_map(lambda m: m[c], self.mean_row)
                 total = tree_map(lambda acc, r, m: acc + jnp.sum(jnp.abs(r - m[None]) ** 2, axis=0), total, rows, mean_c)
         return total
+
+
+@operator_class
+class ModelOperator(LinearOperator):
+    """What the Gram operators share: their child :class:`ModelPoint`, its
+    communicator, and symmetry (Hermitian; real symmetric outside "holomorphic" mode)."""
+
+    point: ModelPoint
+
+    hermitian = True
+
+    @property
+    def model(self) -> ModelPoint:
+        """The point (earlier versions' name)."""
+        return self.point
+
+    @property
+    def params(self) -> Any:
+        """The parameters the model is expanded at (or their cotangent)."""
+        return self.point.params
+
+    @property
+    def samples(self) -> Any:
+        """This rank's samples (or their cotangent)."""
+        return self.point.samples
+
+    @property
+    def comm(self) -> Communicator:
+        return self.point.comm
+
+    @property
+    def symmetric(self) -> bool:
+        return self.point.mode != "holomorphic"

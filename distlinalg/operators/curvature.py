@@ -50,6 +50,14 @@ class LossPoint:
     outputs), the layout, the communicator and the parameters' structure
     are static and compared by value (the same function objects, shapes and
     dtypes give equal tree definitions).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import LossPoint, hessian
+      >>> H = hessian(lambda w, x: comm.allreduce(jnp.sum((x * w) ** 2)), jnp.ones(2), jnp.ones(2))
+      >>> isinstance(H.point, LossPoint), H.params.shape, len(H.args)
+      (True, (2,), 1)
     """
 
     params: Any

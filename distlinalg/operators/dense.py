@@ -193,7 +193,24 @@ class DenseOperator(LinearOperator):
 
 
 @operator_class
-class DenseRowsOperator(LinearOperator):
+class _DenseBlocks(LinearOperator):
+    """What the row and the column form share: partitions, flags, communicator."""
+
+    row_partition: Partition = static()
+    column_partition: Partition = static()
+    symmetric: bool = static(default=False)
+    hermitian: bool = static(default=False)
+    comm: Communicator = static(default=None)
+
+    layout = "sharded"
+
+    @property
+    def has_diagonal(self) -> bool:
+        return self.row_partition == self.column_partition
+
+
+@operator_class
+class DenseRowsOperator(_DenseBlocks):
     """A dense matrix split across ranks by rows (see :func:`dense_rows`).
 
     Rank r holds rows R_r; y_r = A[R_r, :] x needs the whole x, gathered from
@@ -202,16 +219,18 @@ class DenseRowsOperator(LinearOperator):
 
     Pytree: the row block is the child; the partitions, flags and
     communicator are static and compared by value.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import DenseRowsOperator, Partition, dense_rows
+      >>> p = Partition.even(4, comm.size())
+      >>> A = dense_rows(jnp.ones((p.size_of(comm.rank()), 4)))
+      >>> isinstance(A, DenseRowsOperator), A.row_partition == p, type(A.T).__name__
+      (True, True, 'TransposedOperator')
     """
 
     rows: jax.Array
-    row_partition: Partition = static()
-    column_partition: Partition = static()
-    symmetric: bool = static(default=False)
-    hermitian: bool = static(default=False)
-    comm: Communicator = static(default=None)
-
-    layout = "sharded"
 
     @property
     def in_structure(self) -> Structure:
@@ -222,10 +241,6 @@ class DenseRowsOperator(LinearOperator):
     def out_structure(self) -> Structure:
         dtype = jnp.result_type(self.rows)
         return Structure.of(jax.ShapeDtypeStruct((self.row_partition.size_of(self.comm.rank),), dtype))
-
-    @property
-    def has_diagonal(self) -> bool:
-        return self.row_partition == self.column_partition
 
     def _matvec(self, x: Any) -> Any:
         return self.rows @ allgather_blocks(x, self.column_partition, self.comm)
@@ -238,23 +253,25 @@ class DenseRowsOperator(LinearOperator):
 
 
 @operator_class
-class DenseColumnsOperator(LinearOperator):
+class DenseColumnsOperator(_DenseBlocks):
     """A dense matrix split across ranks by columns (see :func:`dense_columns`):
     the transpose of the row form of Aᵀ, whose rows are these columns.
 
     Rank r holds columns C_r; y = Σ_r A[:, C_r] x_r, each rank keeping its
     block of the sum (one reduce_scatter). Pytree: the column block is the
     child; the partitions, flags and communicator are static.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import DenseColumnsOperator, Partition, dense_columns
+      >>> p = Partition.even(4, comm.size())
+      >>> A = dense_columns(2 * jnp.eye(4)[:, p.starts[comm.rank()] : p.starts[comm.rank() + 1]])
+      >>> isinstance(A, DenseColumnsOperator), bool(jnp.allclose(A.to_dense(), 2 * jnp.eye(4)))
+      (True, True)
     """
 
     columns: jax.Array
-    row_partition: Partition = static()
-    column_partition: Partition = static()
-    symmetric: bool = static(default=False)
-    hermitian: bool = static(default=False)
-    comm: Communicator = static(default=None)
-
-    layout = "sharded"
 
     def _rows_form(self) -> DenseRowsOperator:
         """Aᵀ held by rows: its rows are this operator's columns."""
@@ -268,10 +285,6 @@ class DenseColumnsOperator(LinearOperator):
     @property
     def out_structure(self) -> Structure:
         return self._rows_form().in_structure
-
-    @property
-    def has_diagonal(self) -> bool:
-        return self.row_partition == self.column_partition
 
     def _matvec(self, x: Any) -> Any:
         return self._rows_form().transpose_matvec(x)

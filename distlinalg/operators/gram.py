@@ -20,10 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from .._mpi import Communicator
 from .._trees import Structure, tree_map
 from ._base import LinearOperator, function_operator, linearise, operator_class
-from ._jacobian import MODES, Jacobian, ModelPoint
+from ._jacobian import ModelOperator, MODES, Jacobian, ModelPoint
 
 __all__ = ["gram", "gram_operator", "GramOperator", "MODES"]
 
@@ -141,7 +140,7 @@ def gram_operator(point: ModelPoint, diag_shift: Any, diag_scale: Any = None) ->
 
 
 @operator_class
-class GramOperator(LinearOperator):
+class GramOperator(ModelOperator):
     """S = ŌᴴŌ/N + diag_shift·I + diag_scale·diag(ŌᴴŌ/N); see :func:`gram`.
 
     Args:
@@ -180,26 +179,9 @@ class GramOperator(LinearOperator):
       True
     """
 
-    point: ModelPoint
     diag_shift: Any = 0.0
     diag_scale: Any = None
 
-    hermitian = True
-
-    @property
-    def model(self) -> ModelPoint:
-        """The point (earlier versions' name)."""
-        return self.point
-
-    @property
-    def params(self) -> Any:
-        """The parameters the model is expanded at (or their cotangent)."""
-        return self.point.params
-
-    @property
-    def samples(self) -> Any:
-        """This rank's samples (or their cotangent)."""
-        return self.point.samples
 
     @property
     def in_structure(self) -> Structure:
@@ -212,14 +194,6 @@ class GramOperator(LinearOperator):
     @property
     def layout(self) -> str:
         return "sharded" if self.point.sharded_params else "replicated"
-
-    @property
-    def comm(self) -> Communicator:
-        return self.point.comm
-
-    @property
-    def symmetric(self) -> bool:
-        return self.point.mode != "holomorphic"
 
     @property
     def real_linear(self) -> bool:

@@ -24,11 +24,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._mpi import Communicator
 from .._trees import Structure
 from ..comm.p2p import sendrecv
 from ._base import LinearOperator, function_operator, linearise, operator_class
-from ._jacobian import Jacobian, ModelPoint
+from ._jacobian import ModelOperator, Jacobian, ModelPoint
 from ._partition import gather_rows
 
 __all__ = ["sample_gram", "sample_gram_operator", "SampleGramOperator", "sample_structure"]
@@ -94,7 +93,7 @@ def sample_structure(point: ModelPoint | Jacobian) -> jax.ShapeDtypeStruct:
 
 
 @operator_class
-class SampleGramOperator(LinearOperator):
+class SampleGramOperator(ModelOperator):
     """T = Ō Ōᴴ / N + λ I on this rank's samples; see :func:`sample_gram`.
 
     Args:
@@ -127,26 +126,9 @@ class SampleGramOperator(LinearOperator):
       (True, True)
     """
 
-    point: ModelPoint
     diag_shift: Any = 0.0
 
     layout = "sharded"
-    hermitian = True
-
-    @property
-    def model(self) -> ModelPoint:
-        """The point (earlier versions' name)."""
-        return self.point
-
-    @property
-    def params(self) -> Any:
-        """The parameters the model is expanded at (or their cotangent)."""
-        return self.point.params
-
-    @property
-    def samples(self) -> Any:
-        """This rank's samples (or their cotangent)."""
-        return self.point.samples
 
     @property
     def in_structure(self) -> Structure:
@@ -155,14 +137,6 @@ class SampleGramOperator(LinearOperator):
     @property
     def out_structure(self) -> Structure:
         return self.in_structure
-
-    @property
-    def comm(self) -> Communicator:
-        return self.point.comm
-
-    @property
-    def symmetric(self) -> bool:
-        return self.point.mode != "holomorphic"
 
     def _matvec(self, x: jax.Array) -> jax.Array:
         return sample_gram_product(self.point.jacobian(), x) + self.diag_shift * x
