@@ -1,5 +1,5 @@
 // Linear combinations of vectors and inner products of the results, in one
-// pass over memory (distlinalg/solvers/_fused_update.py). No MPI: a Krylov
+// pass over memory (distlinalg/_kernels/fused_update.py). No MPI: a Krylov
 // step's vector updates and its local dots, before their allreduce.
 //
 // Why a handler: XLA's CPU backend has no multi-output fusion, so a step such

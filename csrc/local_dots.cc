@@ -1,5 +1,5 @@
 // Local inner products Σ conj(x)·y of several vector pairs in one pass over
-// memory (distlinalg/solvers/_local_dots.py). No MPI: the solvers' dots, each
+// memory (distlinalg/_kernels/local_dots.py). No MPI: the solvers' dots, each
 // rank's share, before their allreduce.
 //
 // Why a handler: XLA's CPU backend computes vdot(x, y) as a multiply that

@@ -1,9 +1,9 @@
-"""One-pass vector updates with inner products (solvers/_fused_update.py,
+"""One-pass vector updates with inner products (_kernels/fused_update.py,
 csrc/fused_update.cc) against numpy: values in every dtype and size class,
 outputs built from earlier outputs, many terms, an output written over an
 operand that later terms and dots still read, derivatives against the jnp
-reference, vmap, the fallback lowering, pytrees through update_and_dots, and
-what a Krylov step compiles to."""
+reference, vmap, the fallback lowering, pytrees through update_and_dots (and
+its names), and what a Krylov step compiles to."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 from jax.test_util import check_grads
 
 from distlinalg.comm import allgather
-from distlinalg.solvers._fused_update import fused_update
-from distlinalg.solvers._vectors import update_and_dots
+from distlinalg._kernels.fused_update import fused_update
+from distlinalg.solvers._vectors import Dot, Update, update_and_dots
 from vector_reference import DTYPES, SIZES, vector
 
 
@@ -216,7 +216,8 @@ def test_update_and_dots_on_pytrees_mix_both_paths(comm):
     alpha = 0.25 - 0.5j
 
     def f(x, p, r, q):
-        return update_and_dots([[(1, x), (alpha, p)], [(1, r), (-alpha, q)]], dots=[(1, 1), (p, 0)])
+        return update_and_dots(Update("x", [(1, x), (alpha, p)]), Update("r", [(1, r), (-alpha, q)]),
+                               dots=[Dot("r", "r"), Dot(p, "x")])
 
     text = jax.jit(f).lower(x, p, r, q).as_text()
     # "big" and "real" (≥ 8 KiB, handler dtypes); "small" and the bfloat16 "half" in jnp.
@@ -242,6 +243,28 @@ def test_update_and_dots_on_pytrees_mix_both_paths(comm):
     gathered = np.asarray(allgather(jnp.stack([rr, px]), comm=comm))
     assert (gathered == gathered[0]).all()
 
+
+
+def test_update_and_dots_names():
+    """A term or dot names a new vector of the same call, defined before the
+    term (any new vector for a dot); an unknown, later or repeated name is a
+    ValueError, a bare list in place of an Update a TypeError."""
+    x, p = jnp.arange(4.0), jnp.ones(4)
+    (y, z), (yz, pz) = update_and_dots(Update("y", [(2, x), (1, p)]), Update("z", [(1, p), (-1, "y")]),
+                                       dots=[Dot("y", "z"), Dot(p, "z")])
+    np.testing.assert_array_equal(y, 2 * x + p)
+    np.testing.assert_array_equal(z, -2 * x)
+    assert float(yz) == float(jnp.vdot(y, z)) and float(pz) == float(jnp.vdot(p, z))
+    with pytest.raises(ValueError, match="'w', which is not a new vector"):
+        update_and_dots(Update("y", [(1, x), (1, "w")]))
+    with pytest.raises(ValueError, match="'z', which is not a new vector"):
+        update_and_dots(Update("y", [(1, x), (1, "z")]), Update("z", [(1, p)]))
+    with pytest.raises(ValueError, match="'q', which is not a new vector"):
+        update_and_dots(Update("y", [(1, x)]), dots=[Dot("y", "q")])
+    with pytest.raises(ValueError, match="two new vectors named 'y'"):
+        update_and_dots(Update("y", [(1, x)]), Update("y", [(1, p)]))
+    with pytest.raises(TypeError, match="Update"):
+        update_and_dots([(1, x), (1, p)])
 
 def test_krylov_steps_compile_to_one_pass(comm):
     """Standard CG's x, r update and ⟨r, r⟩ are one handler call with x and r

@@ -1,4 +1,4 @@
-"""The solvers' local inner products (solvers/_local_dots.py, csrc/local_dots.cc)
+"""The solvers' local inner products (_kernels/local_dots.py, csrc/local_dots.cc)
 against numpy in extended precision: values in every dtype and size class
 (one block, several blocks, several threads' chunks), several pairs in one
 pass, JVP/VJP/second derivatives against jnp.vdot, vmap, the fallback
@@ -13,7 +13,7 @@ import pytest
 from jax.test_util import check_grads
 
 from distlinalg.comm import allgather
-from distlinalg.solvers._local_dots import local_dots
+from distlinalg._kernels.local_dots import local_dots
 from distlinalg.solvers._vectors import local_vdot, local_vdots
 from vector_reference import DTYPES, SIZES, vector
 

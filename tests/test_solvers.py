@@ -557,7 +557,7 @@ def test_cg_updates_large_carried_vectors_in_place(comm, rank, size):
         if jax.default_backend() != "cpu":
             continue  # the handlers below are the CPU's; XLA's GPU fusions do this work themselves
         # The vector updates and the inner products of a step read each vector
-        # once (solvers/_fused_update.py, _local_dots.py): no product vector
+        # once (_kernels/fused_update.py, local_dots.py): no product vector
         # reduced by XLA fusions (named after their reduce).
         assert all("distlinalg_fused_update" in c for c in bodies), (method, pre is not None)
         reductions = [line for c in bodies for line in c.splitlines()
@@ -580,7 +580,7 @@ def test_minres_loop_copies_no_vector(comm):
     direct solve, with the default (static zero) and a traced shift: its
     r and w slots are updated in place (no whole-vector copy in the loop
     body), and its vector updates and inner products are one-pass handler
-    calls (solvers/_fused_update.py), with no product vector reduced by XLA."""
+    calls (_kernels/fused_update.py), with no product vector reduced by XLA."""
     import scipy.sparse as sp
     import scipy.sparse.linalg as spl
     from distlinalg.operators import laplacian_2d

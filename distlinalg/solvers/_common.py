@@ -257,6 +257,30 @@ class Agreed(NamedTuple):
     compared: bool  # whether the ranks' values met in a message (else nothing to compare)
 
 
+class Run(NamedTuple):
+    """One run of a method's iteration: what `_driver.krylov_solve` hands the method.
+
+    The method body (``cg._standard``, ``minres._minres``, ...) reads the
+    system, the agreed stopping settings and the solve's fixed options from
+    here, in place of a dozen positional arguments. Nothing is
+    differentiated through the iterations: ``lax.custom_linear_solve``
+    differentiates the solve through `matvec` and b, and x0, the tolerances
+    and the preconditioner are not differentiated.
+    """
+
+    matvec: Callable[[Any], Any]   # A v, as custom_linear_solve hands it (A, or its transpose)
+    b: Any                         # the right-hand side, scaled to a largest entry of 1
+    x0: Any                        # the start, scaled like b
+    rtol: Any                      # agreed across ranks
+    atol: Any                      # agreed across ranks, scaled like b
+    maxiter: Any                   # agreed (a rerun from the true residual: what is left of it)
+    start: Any                     # reason code to start from: ITERATING, or DIVERGED_INCONSISTENT_RANKS
+    precond: Callable[[Any], Any]  # M v (``_arguments.identity`` without a preconditioner)
+    red: Reductions                # the layout's inner products and agreements
+    history: int                   # the length of info.history
+    monitor: bool                  # print the residual norms on rank 0
+
+
 def consistency_tolerance(dtype: Any) -> float:
     """Relative tolerance of the cross-rank comparisons: 8 √eps of `dtype`.
 

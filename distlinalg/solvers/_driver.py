@@ -31,24 +31,28 @@ from ._agreement import agree_inputs
 
 
 def krylov_solve(
-    iterate: Callable[..., tuple[Any, C.SolverInfo]],
+    iterate: Callable[[C.Run], tuple[Any, C.SolverInfo]],
     matvec: Callable[[Any], Any],
     b: Any,
     problem: _arguments.Problem,
     *,
     history: int,
+    monitor: bool = False,
     hermitian: bool = True,
     verify_residual: bool = True,
     cycles_of: Callable[[Any], Any] | None = None,
     local_norm_sq: Callable[[Any], Any] | None = None,
 ) -> tuple[Any, C.SolverInfo]:
-    """Solve A x = b with `iterate(matvec, b, x0, rtol, atol, maxiter, start) -> (x, info)`.
+    """Solve A x = b with `iterate(run) -> (x, info)`, a method's iteration.
 
-    `start` is the reason code to start from (ITERATING, or
-    DIVERGED_INCONSISTENT_RANKS, which ends the loop before its first step);
-    `history` is the length of ``info.history`` the iteration returns.
-    x0 and everything the iteration closes over other than `matvec` (the
-    preconditioner, tolerances) are not differentiated.
+    `run` (a `_common.Run`) holds the operator custom_linear_solve hands
+    over, the scaled b and x0, the agreed tolerances and iteration limit, the
+    reason code to start from (ITERATING, or DIVERGED_INCONSISTENT_RANKS,
+    which ends the loop before its first step), and the problem's
+    preconditioner and reductions; `history` is the length of
+    ``info.history`` the iteration returns, `monitor` whether it prints.
+    x0 and everything in `run` other than `matvec` (the preconditioner,
+    tolerances) are not differentiated.
 
     `hermitian`: A = Aᴴ (cg, minres), so the transposed solve of reverse mode
     reuses `matvec`. Otherwise (gmres, bicgstab) the transposed solve runs the
@@ -89,13 +93,13 @@ def krylov_solve(
         # scale 1 (the iteration then reports it).
         largest = reductions.max_abs(rhs)
         scale = jnp.where((largest > 0) & jnp.isfinite(largest), largest, jnp.ones_like(largest))
+        first_run = C.Run(matvec=mv, b=scaled(1 / scale, rhs), x0=scaled(1 / scale, x0), rtol=agreed.rtol,
+                          atol=agreed.atol / scale, maxiter=agreed.maxiter, start=start, precond=problem.precond,
+                          red=reductions, history=history, monitor=monitor)
         if verify_residual:
-            x, info = iterate_until_backed(iterate, mv, scaled(1 / scale, rhs), scaled(1 / scale, x0), agreed.rtol,
-                                           agreed.atol / scale, agreed.maxiter, start, reductions, history,
-                                           cycles_of or (lambda k: k), local_norm_sq)
+            x, info = iterate_until_backed(iterate, first_run, cycles_of or (lambda k: k), local_norm_sq)
         else:
-            x, info = iterate(mv, scaled(1 / scale, rhs), scaled(1 / scale, x0), agreed.rtol,
-                              agreed.atol / scale, agreed.maxiter, start)
+            x, info = iterate(first_run)
         info = info._replace(
             residual_norm=info.residual_norm * scale,
             history=None if info.history is None else info.history * scale,
@@ -171,11 +175,9 @@ def _cast_like(x: Any, like: Any) -> Any:
 MAX_VERIFICATION_RESTARTS = 2
 
 
-def iterate_until_backed(iterate: Callable[..., Any], mv: Callable[[Any], Any], b: Any, x0: Any, rtol: Any,
-                         atol: Any, maxiter: Any, start: Any, reductions: C.Reductions, history_size: int,
-                         cycles_of: Callable[[Any], Any],
+def iterate_until_backed(iterate: Callable[[C.Run], Any], first_run: C.Run, cycles_of: Callable[[Any], Any],
                          local_norm_sq: Callable[[Any], Any] | None = None) -> tuple[Any, C.SolverInfo]:
-    """`iterate`, with Belos's explicit residual test of a converged claim.
+    """`iterate(first_run)`, with Belos's explicit residual test of a converged claim.
 
     A recurrence's residual drifts from the true one in finite precision
     (by about ε‖A‖‖x‖ per step), so on an ill-conditioned system a solver can
@@ -194,6 +196,8 @@ def iterate_until_backed(iterate: Callable[..., Any], mv: Callable[[Any], Any], 
     the local values (replicated: a matvec need not be bitwise identical
     everywhere).
     """
+    mv, b, reductions, history_size = first_run.matvec, first_run.b, first_run.red, first_run.history
+    rtol, atol, maxiter, start = first_run.rtol, first_run.atol, first_run.maxiter, first_run.start
 
     def agreed_norm(v: Any) -> Any:
         if local_norm_sq is None:
@@ -214,8 +218,8 @@ def iterate_until_backed(iterate: Callable[..., Any], mv: Callable[[Any], Any], 
     def run(state: tuple) -> tuple:
         x, info, _, runs = state
         first = runs == 0
-        x, more = iterate(mv, b, x, rtol, atol, maxiter - cycles_of(info.iterations),
-                          jnp.where(first, start, C.Reason.ITERATING).astype(jnp.int32))
+        x, more = iterate(first_run._replace(x0=x, maxiter=maxiter - cycles_of(info.iterations),
+                                             start=jnp.where(first, start, C.Reason.ITERATING).astype(jnp.int32)))
         history = more.history
         if history is not None:  # a rerun's residuals follow the earlier runs'
             k = jnp.arange(history_size)
@@ -237,7 +241,7 @@ def iterate_until_backed(iterate: Callable[..., Any], mv: Callable[[Any], Any], 
 
     empty = C.SolverInfo(jnp.int32(0), jnp.zeros((), dtype), jnp.bool_(False), jnp.int32(start),
                          C.new_history(history_size, dtype))
-    x, info, norm, _ = jax.lax.while_loop(unbacked, run, (x0, empty, jnp.zeros((), dtype), jnp.int32(0)))
+    x, info, norm, _ = jax.lax.while_loop(unbacked, run, (first_run.x0, empty, jnp.zeros((), dtype), jnp.int32(0)))
     claimed = info.reason > 0
     lost = claimed & (norm > tolerance)
     reason = jnp.where(lost, jnp.int32(C.Reason.DIVERGED_ACCURACY_LOST), info.reason).astype(jnp.int32)

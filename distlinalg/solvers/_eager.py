@@ -2,11 +2,11 @@
 
 Called outside ``jax.jit``, a solver would run op by op: JAX traces its
 ``while_loop`` and ``custom_linear_solve`` afresh on every call, because
-the loop body closes over the operator, and compiles them again (about
-0.1 s per call even for 16 unknowns, more than jax.scipy's cg takes the
-same way). `compiled_when_eager` runs such a call as a jitted solve
-instead, and every call computes what the operator computes *now*, as
-jax.scipy's solvers do op by op. Two keys:
+the loop body closes over the operator, and compiles them again (slow even
+for a handful of unknowns, slower than jax.scipy's cg run the same way).
+`compiled_when_eager` runs such a call as a jitted solve instead, and every
+call computes what the operator computes *now*, as jax.scipy's solvers do
+op by op. Two keys:
 
 - **By the operator's static data**, where that data fixes the computation:
   distlinalg's own operators (``laplacian_2d``, ``dense_rows``,
@@ -14,23 +14,25 @@ jax.scipy's solvers do op by op. Two keys:
   module-level functions. Arrays (b, x0 and the arrays inside A and M: a
   distlinalg operator is a pytree whose children are its arrays) are
   arguments of the program, so a new right-hand side or new matrix entries
-  of the same shapes reuse it without tracing (~0.1–0.3 ms per call).
+  of the same shapes reuse it without tracing (the fastest path).
 - **By the program a call traces to**, for everything else: a user's
   matvec, preconditioner, object with ``__matmul__``, model function or
   callback may read a global, an attribute or a captured Python number that
   changes between calls, so the key cannot be the function. The solve is
-  traced on every call (~10–20 ms for a small problem) and keyed by the
-  text of its jaxpr; the arrays it captured are arguments. A changed number
-  changes the text (a new program), a changed array only the arguments,
-  and a function written afresh with the same code repeats the key.
+  traced on every call (still far cheaper than running op by op) and keyed
+  by the text of its jaxpr; the arrays it captured are arguments. A changed
+  number changes the text (a new program), a changed array only the
+  arguments, and a function written afresh with the same code repeats the
+  key.
 
 A key's first call runs op by op (a key that never repeats must not pay for
-a compilation, ~2x one op-by-op run); the second compiles. The ranks agree
-on the path (one int32 allreduce per eager call). The last `PROGRAMS` keys
-are kept (each holds its functions and compilations); a call whose key
-cannot be hashed, or whose program holds values its text does not show
-(arrays captured inside a nested ``jax.jit``), runs op by op. Inside any
-trace (jit, grad, vmap) the solver is called directly.
+a compilation, which costs more than an op-by-op run); the second compiles.
+The ranks agree on the path (one int32 allreduce per eager call). The last
+`PROGRAMS` keys are kept (each holds its functions and compilations); a
+call whose key cannot be hashed, or whose program holds values its text
+does not show (arrays captured inside a nested ``jax.jit``), runs op by op.
+Inside any trace (jit, grad, vmap) the solver is called directly. What each
+path costs: benchmarks/README.md, section "Eager solves".
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def compiled_when_eager(solver: Callable[..., Any]) -> Callable[..., Any]:
         if state == UNSEEN:
             # A key's first call runs op by op: a key that never repeats (an
             # operator made afresh with new static data for every call) must
-            # not pay for a compilation, ~2x one op-by-op run.
+            # not pay for a compilation, which costs more than an op-by-op run.
             if key is not None and _hashable(key) and key not in programs:
                 programs[key] = None
                 if len(programs) > PROGRAMS:

@@ -9,7 +9,7 @@ each leaf before use, so the solvers run under
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,14 +17,16 @@ import numpy as np
 
 from .. import _compat
 from ..comm.overlap import fence
-from ._fused_update import fused_update
-from ._local_dots import HANDLER_DTYPES, local_dots
+from .._kernels.fused_update import fused_update
+from .._kernels.local_dots import HANDLER_DTYPES, local_dots
 
-# Below this many bytes per rank, a carried vector's copy (~2 µs at 64 KiB)
-# costs about what the fence that avoids it does (one FFI call).
+# Below this many bytes per rank, a carried vector's copy costs about what
+# the fence that avoids it does (one FFI call); figures in
+# benchmarks/README.md, section "In-place carried vectors".
 _IN_PLACE_MIN_BYTES = 64 * 1024
 # Below this many bytes per leaf, XLA's fused vdot is as fast as a call of
-# the local-dots handler (measured: equal at 8 KiB, 1.3x at 32 KiB, 2x from 512 KiB).
+# the local-dots handler, whose gain grows with the leaf; figures in
+# benchmarks/README.md, section "Local dots".
 _LOCAL_DOTS_MIN_BYTES = 8 * 1024
 # The same for a fused update (one FFI call against XLA's fused elementwise ops).
 _FUSED_UPDATE_MIN_BYTES = 8 * 1024
@@ -68,8 +70,7 @@ def after(done: Any, carried: Any) -> Any:
     whole extra read and write). Passing v to the second update as
     ``after(x, v)`` orders the two: a fence (comm.overlap) reads `done` and
     hands `carried` on (v + 0, fused into its use; nothing is copied).
-    CG on laplacian_2d(2000), one rank: 12.5 → 11.3 ms per iteration;
-    pipelined CG 22.0 → 17.4 ms.
+    What it saves: benchmarks/README.md, section "In-place carried vectors".
 
     Off the CPU the fence is an optimization barrier (``mpi_order=False``):
     XLA's GPU compiler honours it, and the loop body gets no custom call
@@ -103,9 +104,10 @@ def local_vdots(pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
     """``[local_vdot(x, y) for x, y in pairs]``, reading every large leaf once.
 
     Leaf pairs of 8 KiB and more in float32/64 or complex64/128 go to one
-    ``local_dots`` call (one pass over all of them; on the CPU 2-4x faster
-    than XLA's vdot, see _local_dots); smaller ones, where the call costs
-    more than it saves, and other dtypes to ``jnp.vdot``. Which path a leaf
+    ``local_dots`` call (one pass over all of them; on the CPU faster than
+    XLA's vdot, see distlinalg._kernels.local_dots and benchmarks/README.md,
+    section "Local dots"); smaller ones, where the call costs more than it
+    saves, and other dtypes to ``jnp.vdot``. Which path a leaf
     takes depends on its size on this rank only: it changes the rounding of
     a local sum, never what is communicated.
     """
@@ -132,26 +134,80 @@ def _sum_in_common_dtype(values: Sequence[Any]) -> Any:
     return sum(values[1:], values[0])
 
 
+class Update(NamedTuple):
+    """A new vector of `update_and_dots`: ``name ← Σ c·v`` over `terms`.
+
+    `terms` are ``(coefficient, vector)`` pairs; a vector is a pytree (an old
+    vector), or the name of a new vector of an earlier `Update` of the same
+    call. The new vector has the dtypes of its first term's vector and is
+    written over it where nothing reads that vector's old value afterwards
+    (a loop-carried vector stays in its buffer).
+    """
+
+    name: str
+    terms: Sequence[tuple[Any, Any]]
+
+
+class Dot(NamedTuple):
+    """An inner product of `update_and_dots`: Σ conj(a)·b over this rank's
+    leaves (no communication), `a` and `b` each a pytree (an old vector) or
+    the name of a new vector of the same call."""
+
+    a: Any
+    b: Any
+
+
+class _New(NamedTuple):
+    """The j-th new vector of an `update_and_dots` call (a name, resolved)."""
+
+    index: int
+
+
+def _resolve(updates: Sequence[Update], dots: Sequence[Dot]) -> tuple[list[list[tuple[Any, Any]]], list[tuple]]:
+    """The updates' terms and the dots with every name replaced by its `_New` index."""
+    index: dict[str, int] = {}
+
+    def vector(v: Any, what: str) -> Any:
+        if not isinstance(v, str):
+            return v
+        if v not in index:
+            raise ValueError(f"update_and_dots: {what} names {v!r}, which is not a new vector defined before it "
+                             f"(new vectors so far: {sorted(index)})")
+        return _New(index[v])
+
+    terms = []
+    for j, update in enumerate(updates):
+        if not isinstance(update, Update) or not isinstance(update.name, str):
+            raise TypeError(f"update_and_dots: the new vectors are Update(name, terms), got {update!r}")
+        if update.name in index:
+            raise ValueError(f"update_and_dots: two new vectors named {update.name!r}")
+        terms.append([(c, vector(v, f"the update of {update.name!r}")) for c, v in update.terms])
+        index[update.name] = j
+    pairs = [(vector(a, "a dot"), vector(b, "a dot")) for a, b in dots]
+    return terms, pairs
+
+
 def update_and_dots(
-    updates: Sequence[Sequence[tuple[Any, Any]]],
-    dots: Sequence[tuple[Any, Any]] = (),
-    *,
+    *updates: Update,
+    dots: Sequence[Dot] = (),
     wait_for: Any = None,
-) -> tuple[list[Any], list[Any]]:
+) -> tuple[tuple[Any, ...], list[Any]]:
     """New vectors ``Σ c·v`` and this rank's inner products of old and new ones, in one pass.
 
     Args:
-      updates: one list of ``(coefficient, vector)`` terms per new vector; a
-        vector is a pytree (all of one structure), or an int j for the j-th
-        new vector (earlier ones only). The new vector has the dtypes of its
-        first term's vector and is written over it where nothing reads that
-        vector's old value afterwards (a loop-carried vector stays in its
-        buffer).
-      dots: pairs ``(a, b)`` of vectors or ints as above: Σ conj(a)·b over
-        this rank's leaves (no communication), as `local_vdots`.
+      updates: the new vectors, each an `Update` (its name, and its terms
+        ``(coefficient, vector)``), computed in this order: a term may name
+        a new vector of an earlier `Update`. Old vectors are pytrees, all of
+        one structure.
+      dots: `Dot` pairs of vectors (pytrees, or names of new vectors): Σ
+        conj(a)·b over this rank's leaves (no communication), as `local_vdots`.
       wait_for: a vector (pytree of the same structure) whose computation
         must come first, as in `after`: the last reader of the old value of
         a vector written over here, when nothing else orders the two.
+
+    Returns:
+      ``(new_vectors, dot_values)``: the new vectors in the order of
+      `updates`, and one value per `Dot`.
 
     Leaves of 8 KiB and more in float32/64 or complex64/128, of one shape and
     dtype across the vectors, go to one ``fused_update`` call per leaf (every
@@ -159,43 +215,47 @@ def update_and_dots(
     the others are computed with jnp and `local_vdots`. Which path a leaf
     takes depends on its local size only.
 
-    Example: standard CG's step, x ← x + α p, r ← r − α q, ρ = ⟨r, r⟩:
-      ``(x, r), (rho,) = update_and_dots([[(1, x), (alpha, p)], [(1, r), (-alpha, q)]], dots=[(1, 1)])``
+    Example: standard CG's step, x ← x + α p, r ← r − α q, ρ = ⟨r, r⟩ of the new r::
+
+      (x, r), (rho,) = update_and_dots(Update("x", [(1, x), (alpha, p)]),
+                                       Update("r", [(1, r), (-alpha, q)]),
+                                       dots=[Dot("r", "r")])
     """
-    trees = {id(v): v for terms in updates for _, v in terms if not isinstance(v, int)}
-    trees.update({id(v): v for pair in dots for v in pair if not isinstance(v, int)})
+    terms_of, pairs = _resolve(updates, dots)
+    trees = {id(v): v for terms in terms_of for _, v in terms if not isinstance(v, _New)}
+    trees.update({id(v): v for pair in pairs for v in pair if not isinstance(v, _New)})
     treedef = jax.tree_util.tree_structure(next(iter(trees.values())))
     leaves = {key: treedef.flatten_up_to(tree) for key, tree in trees.items()}
     waits = [] if wait_for is None else treedef.flatten_up_to(wait_for)
-    new_leaves: list[list[Any]] = [[] for _ in updates]
-    parts: list[list[Any]] = [[] for _ in dots]  # each dot's value per leaf
+    new_leaves: list[list[Any]] = [[] for _ in terms_of]
+    parts: list[list[Any]] = [[] for _ in pairs]  # each dot's value per leaf
     for i in range(treedef.num_leaves):
         def leaf(v: Any) -> Any:
-            return v if isinstance(v, int) else leaves[id(v)][i]
+            return v.index if isinstance(v, _New) else leaves[id(v)][i]
 
         def value(v: Any) -> Any:
-            return new_leaves[v][i] if isinstance(v, int) else leaves[id(v)][i]
+            return new_leaves[v.index][i] if isinstance(v, _New) else leaves[id(v)][i]
 
         given = [jnp.asarray(vs[i]) for vs in [*leaves.values(), *([waits] if waits else [])]]
         first = given[0]
         if (np.dtype(first.dtype) in HANDLER_DTYPES and first.size * first.dtype.itemsize >= _FUSED_UPDATE_MIN_BYTES
                 and all(g.shape == first.shape and g.dtype == first.dtype for g in given)):
-            outs, values = fused_update([[(as_coefficient(c, first), leaf(v)) for c, v in terms] for terms in updates],
-                                        [(leaf(a), leaf(b)) for a, b in dots], after=[waits[i]] if waits else [])
+            outs, values = fused_update([[(as_coefficient(c, first), leaf(v)) for c, v in terms] for terms in terms_of],
+                                        [(leaf(a), leaf(b)) for a, b in pairs], after=[waits[i]] if waits else [])
             for j, out in enumerate(outs):
                 new_leaves[j].append(out)
         else:
-            for j, terms in enumerate(updates):
+            for j, terms in enumerate(terms_of):
                 target = jnp.asarray(value(terms[0][1]))
                 if waits and j == 0:
                     target = after(waits[i], target)
                 new_leaves[j].append(sum(
                     (as_coefficient(c, target) * jnp.asarray(value(v)).astype(target.dtype) for c, v in terms[1:]),
                     as_coefficient(terms[0][0], target) * target))
-            values = local_vdots([(value(a), value(b)) for a, b in dots]) if dots else []
+            values = local_vdots([(value(a), value(b)) for a, b in pairs]) if pairs else []
         for d, v in enumerate(values):
             parts[d].append(v)
-    return [treedef.unflatten(new) for new in new_leaves], [_sum_in_common_dtype(values) for values in parts]
+    return tuple(treedef.unflatten(new) for new in new_leaves), [_sum_in_common_dtype(values) for values in parts]
 
 
 def common_dtype(*dtypes: Any) -> Any:

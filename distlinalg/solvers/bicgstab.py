@@ -106,12 +106,7 @@ def bicgstab(
             history=history, monitor=monitor, verify_residual=verify_residual,
         )
     p = _arguments.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
-
-    def iterate(mv, rhs, x_init, rtol_agreed, atol_scaled, maxiter_agreed, start):
-        return _bicgstab(mv, rhs, x_init, p.precond, rtol_agreed, atol_scaled, maxiter_agreed, start, p.reductions,
-                         history, monitor)
-
-    return krylov_solve(iterate, p.matvec, p.b, p, history=history, hermitian=False,
+    return krylov_solve(_bicgstab, p.matvec, p.b, p, history=history, monitor=monitor, hermitian=False,
                         verify_residual=verify_residual)
 
 
@@ -132,24 +127,25 @@ class BicgstabState(NamedTuple):
     history: Any
 
 
-def _bicgstab(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, history, monitor):
+def _bicgstab(run: C.Run):
+    matvec, precond, red, b, maxiter, monitor = run.matvec, run.precond, run.red, run.b, run.maxiter, run.monitor
     dtype = scalar_dtype(b)
     real = jnp.real(jnp.zeros((), dtype)).dtype
     tiny = jnp.finfo(real).eps ** 2  # scipy's breakdown thresholds for ρ and ω
-    r = sub(b, matvec(x0))
+    r = sub(b, matvec(run.x0))
     r_shadow = r
     rr, bb = (jnp.real(v) for v in red.dots([(r, r), (b, b)]))
-    failure = C.first_reason((start != Reason.ITERATING, start), (~jnp.isfinite(rr), Reason.DIVERGED_NANORINF))
+    failure = C.first_reason((run.start != Reason.ITERATING, run.start), (~jnp.isfinite(rr), Reason.DIVERGED_NANORINF))
     agreed = red.agree(rr, failure, also=[bb])
     rr = agreed.value
     b_norm = jnp.sqrt(agreed.also[0])
     failure = C.mark_inconsistent(agreed.failure, C.inconsistent(agreed, True, b_norm, squared=True))
-    threshold, from_atol = C.stopping_threshold(b_norm, rtol, atol)
-    hist = C.record(C.new_history(history, real), 0, jnp.sqrt(rr))
+    threshold, from_atol = C.stopping_threshold(b_norm, run.rtol, run.atol)
+    hist = C.record(C.new_history(run.history, real), 0, jnp.sqrt(rr))
     C.monitor_print("bicgstab", red.comm, monitor, 0, jnp.sqrt(rr))
     one = jnp.ones((), dtype)
     zeros = jax.tree_util.tree_map(jnp.zeros_like, b)
-    state = BicgstabState(x=x0, r=r, p=zeros, q=zeros, rho=rr.astype(dtype), rho_old=one, alpha=one, omega=one,
+    state = BicgstabState(x=run.x0, r=r, p=zeros, q=zeros, rho=rr.astype(dtype), rho_old=one, alpha=one, omega=one,
                           done=jnp.sqrt(rr) <= threshold, k=jnp.int32(0), reason=failure, history=hist)
 
     def keep_going(s: BicgstabState):

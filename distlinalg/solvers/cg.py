@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 
 from . import _arguments
-from ._common import Reason, Reductions, SolverInfo, finish_reason, first_reason, mark_inconsistent
+from ._common import Reason, Reductions, Run, SolverInfo, finish_reason, first_reason, mark_inconsistent
 from ._common import inconsistent, monitor_print, new_history, record, stopping_threshold
 from ._driver import krylov_solve
 from ._eager import compiled_when_eager
-from ._vectors import after, local_vdot, local_vdots, sub, update_and_dots, xpby, zeros_like
+from ._vectors import Dot, Update, after, local_vdot, local_vdots, sub, update_and_dots, xpby, zeros_like
 
 METHODS = ("standard", "single_reduction", "pipelined")
 
@@ -161,12 +161,7 @@ def cg(
         )
     p = _arguments.setup(A, b, x0, M, tol, rtol, atol, maxiter, layout, comm)
     body = {"standard": _standard, "single_reduction": _single_reduction, "pipelined": _pipelined}[method]
-
-    def iterate(mv, rhs, x_init, rtol_agreed, atol_scaled, maxiter_agreed, start):
-        return body(mv, rhs, x_init, p.precond, rtol_agreed, atol_scaled, maxiter_agreed, start, p.reductions,
-                    history, monitor)
-
-    return krylov_solve(iterate, p.matvec, p.b, p, history=history, verify_residual=verify_residual)
+    return krylov_solve(body, p.matvec, p.b, p, history=history, monitor=monitor, verify_residual=verify_residual)
 
 
 def _unless(plain: bool, v: Any) -> Any:
@@ -199,8 +194,9 @@ def _agree_start(red: Reductions, rr: Any, bb: Any, failure: Any, start: Any, pr
     return agreed.value, b_norm, failure
 
 
-def _result(x: Any, rr: Any, k: Any, reason: Any, hist: Any, threshold: Any, from_atol: Any, maxiter: Any):
-    """(x, SolverInfo) from the final loop state."""
+def _result(final: Any, threshold: Any, from_atol: Any, maxiter: Any):
+    """(x, SolverInfo) from the final loop state (any of the states below: x, rr, k, reason, history)."""
+    x, rr, k, reason, hist = final.x, final.rr, final.k, final.reason, final.history
     converged = (reason == Reason.ITERATING) & _converged(rr, threshold)
     return x, SolverInfo(k, jnp.sqrt(rr), converged, finish_reason(from_atol, converged, k, maxiter, reason), hist)
 
@@ -220,16 +216,17 @@ class StandardState(NamedTuple):
     history: Any
 
 
-def _standard(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, history, monitor):
+def _standard(run: Run):
     real = jnp.real  # ⟨·,·⟩ of HPD systems is real
+    matvec, precond, red, b, x0, maxiter = run.matvec, run.precond, run.red, run.b, run.x0, run.maxiter
     r = sub(b, matvec(x0))                                          # r₀ = b − A x₀
     z = precond(r)                                                  # z₀ = M r₀
     gamma, rr, bb = map(real, red.dots([(r, z), (r, r), (b, b)]))   # γ₀ = ⟨r₀, z₀⟩, ρ₀ = ⟨r₀, r₀⟩
     failure = first_reason((~jnp.isfinite(rr) | ~jnp.isfinite(gamma), Reason.DIVERGED_NANORINF))
-    rr, b_norm, failure = _agree_start(red, rr, bb, failure, start)
-    threshold, from_atol = stopping_threshold(b_norm, rtol, atol)
-    hist = record(new_history(history, rr.dtype), 0, jnp.sqrt(rr))
-    monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
+    rr, b_norm, failure = _agree_start(red, rr, bb, failure, run.start)
+    threshold, from_atol = stopping_threshold(b_norm, run.rtol, run.atol)
+    hist = record(new_history(run.history, rr.dtype), 0, jnp.sqrt(rr))
+    monitor_print("cg", red.comm, run.monitor, 0, jnp.sqrt(rr))
 
     def keep_going(s: StandardState):
         return (s.reason == Reason.ITERATING) & (s.k < maxiter) & ~_converged(s.rr, threshold)
@@ -243,8 +240,11 @@ def _standard(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reduction
         # A failed step must not move x: a zero step length keeps every
         # vector as it was without a select over whole vectors.
         alpha = jnp.where(curvature_failure == Reason.ITERATING, s.gamma / pq, jnp.zeros_like(pq))  # α = γ / ⟨p, q⟩
-        # x ← x + α p, r ← r − α q, and ρ = ⟨r, r⟩ of the new r: one pass over memory.
-        (x, r), (rr_local,) = update_and_dots([[(1, s.x), (alpha, s.p)], [(1, s.r), (-alpha, q)]], dots=[(1, 1)])
+        # One pass over memory:
+        (x, r), (rr_local,) = update_and_dots(
+            Update("x", [(1, s.x), (alpha, s.p)]),                  # x ← x + α p
+            Update("r", [(1, s.r), (-alpha, q)]),                   # r ← r − α q
+            dots=[Dot("r", "r")])                                   # ρ = ⟨r, r⟩ of the new r
         z = precond(r)                                              # z = M r
         if precond is _arguments.identity:                          # γ' = ρ (z = r)
             (rr_new,) = map(real, red.totals([rr_local]))
@@ -261,12 +261,12 @@ def _standard(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reduction
         p = xpby(z, gamma_new / s.gamma, after(x, s.p))            # p ← z + (γ'/γ) p (after x: in place)
         rr = jnp.where(ok, rr_new, s.rr)
         k = s.k + ok.astype(jnp.int32)
-        monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
+        monitor_print("cg", red.comm, run.monitor, k, jnp.sqrt(rr))
         return StandardState(x, r, z, p, jnp.where(ok, gamma_new, s.gamma), rr, k, failure,
                              record(s.history, k, jnp.sqrt(rr)))
 
     s = jax.lax.while_loop(keep_going, step, StandardState(x0, r, z, z, gamma, rr, jnp.int32(0), failure, hist))
-    return _result(s.x, s.rr, s.k, s.reason, s.history, threshold, from_atol, maxiter)
+    return _result(s, threshold, from_atol, maxiter)
 
 
 # ---------------------------------------------------------------------------
@@ -306,10 +306,10 @@ class StartWithAu(NamedTuple):
     history: Any
 
 
-def _start_with_Au(matvec, b, x0, precond, rtol, atol, start, red: Reductions, history, monitor,
-                   check_curvature: bool) -> StartWithAu:
+def _start_with_Au(run: Run, check_curvature: bool) -> StartWithAu:
     real = jnp.real
-    r = sub(b, matvec(x0))                                          # r₀ = b − A x₀
+    matvec, precond, red, b = run.matvec, run.precond, run.red, run.b
+    r = sub(b, matvec(run.x0))                                      # r₀ = b − A x₀
     u = precond(r)                                                  # u₀ = M r₀
     w = matvec(u)                                                   # w₀ = A u₀
     if precond is _arguments.identity:                                         # γ₀ = ρ₀ (u₀ = r₀)
@@ -321,17 +321,17 @@ def _start_with_Au(matvec, b, x0, precond, rtol, atol, start, red: Reductions, h
     failure = first_reason((~jnp.isfinite(rr) | ~jnp.isfinite(gamma) | ~jnp.isfinite(delta), Reason.DIVERGED_NANORINF),
                            *(curvature if check_curvature else []))
     # The first matvec of A u₀ is here: ⟨u₀, A u₀⟩ is the curvature probe.
-    rr, b_norm, failure = _agree_start(red, rr, bb, failure, start, probe=(delta, jnp.abs(delta)))
-    threshold, from_atol = stopping_threshold(b_norm, rtol, atol)
-    hist = record(new_history(history, rr.dtype), 0, jnp.sqrt(rr))
-    monitor_print("cg", red.comm, monitor, 0, jnp.sqrt(rr))
+    rr, b_norm, failure = _agree_start(red, rr, bb, failure, run.start, probe=(delta, jnp.abs(delta)))
+    threshold, from_atol = stopping_threshold(b_norm, run.rtol, run.atol)
+    hist = record(new_history(run.history, rr.dtype), 0, jnp.sqrt(rr))
+    monitor_print("cg", red.comm, run.monitor, 0, jnp.sqrt(rr))
     return StartWithAu(r, u, w, gamma, delta, rr, b_norm, threshold, from_atol, failure, hist)
 
 
-def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, history, monitor):
+def _single_reduction(run: Run):
     real = jnp.real
-    r, u, w, gamma, delta, rr, b_norm, threshold, from_atol, failure, hist = _start_with_Au(
-        matvec, b, x0, precond, rtol, atol, start, red, history, monitor, check_curvature=True)
+    matvec, precond, red, maxiter = run.matvec, run.precond, run.red, run.maxiter
+    r, u, w, gamma, delta, rr, b_norm, threshold, from_atol, failure, hist = _start_with_Au(run, check_curvature=True)
     # Already converged at x₀: a vanishing curvature is harmless then.
     curvature_only = (failure == Reason.DIVERGED_INDEFINITE_MAT) | (failure == Reason.DIVERGED_BREAKDOWN)
     plain = precond is _arguments.identity  # u = r: not carried twice (XLA would copy one slot per iteration)
@@ -341,11 +341,13 @@ def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, start, red: R
         return (st.reason == Reason.ITERATING) & (st.k < maxiter) & ~_converged(st.rr, threshold)
 
     def step(st: SingleReductionState) -> SingleReductionState:
-        # p ← u + β p, s ← w + β s (= A p), x ← x + α p, r ← r − α s, and
-        # ρ = ⟨r, r⟩ of the new r: one pass over memory, each vector in place.
+        # One pass over memory, each vector in place:
         (p, s, x, r), (rr_local,) = update_and_dots(
-            [[(st.beta, st.p), (1, _or(st.u, st.r))], [(st.beta, st.s), (1, st.w)], [(1, st.x), (st.alpha, 0)],
-             [(1, st.r), (-st.alpha, 1)]], dots=[(3, 3)])
+            Update("p", [(st.beta, st.p), (1, _or(st.u, st.r))]),  # p ← u + β p
+            Update("s", [(st.beta, st.s), (1, st.w)]),              # s ← w + β s (= A p)
+            Update("x", [(1, st.x), (st.alpha, "p")]),              # x ← x + α p
+            Update("r", [(1, st.r), (-st.alpha, "s")]),             # r ← r − α s
+            dots=[Dot("r", "r")])                                   # ρ = ⟨r, r⟩ of the new r
         u = precond(r)                                              # u = M r
         w = matvec(u)                                               # w = A u
         if plain:                                                   # γ' = ρ (u = r)
@@ -367,15 +369,15 @@ def _single_reduction(matvec, b, x0, precond, rtol, atol, maxiter, start, red: R
         # detected now only stops the loop (no select over whole vectors).
         k = st.k + ok.astype(jnp.int32)
         rr = jnp.where(ok, rr, st.rr)
-        monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
+        monitor_print("cg", red.comm, run.monitor, k, jnp.sqrt(rr))
         return SingleReductionState(x, r, _unless(plain, u), w, p, s, gamma / curvature, beta, gamma, delta, rr, k,
                                     failure, record(st.history, k, jnp.sqrt(rr)))
 
-    zeros = zeros_like(b)
-    state = SingleReductionState(x0, r, _unless(plain, u), w, zeros, zeros, gamma / delta, jnp.zeros_like(gamma), gamma,
-                                 delta, rr, jnp.int32(0), failure, hist)
+    zeros = zeros_like(run.b)
+    state = SingleReductionState(run.x0, r, _unless(plain, u), w, zeros, zeros, gamma / delta, jnp.zeros_like(gamma),
+                                 gamma, delta, rr, jnp.int32(0), failure, hist)
     st = jax.lax.while_loop(keep_going, step, state)
-    return _result(st.x, st.rr, st.k, st.reason, st.history, threshold, from_atol, maxiter)
+    return _result(st, threshold, from_atol, maxiter)
 
 
 # ---------------------------------------------------------------------------
@@ -407,10 +409,10 @@ class PipelinedState(NamedTuple):
     history: Any
 
 
-def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, history, monitor):
+def _pipelined(run: Run):
     real = jnp.real
-    r, u, w, gamma, delta, rr, b_norm, threshold, from_atol, failure, hist = _start_with_Au(
-        matvec, b, x0, precond, rtol, atol, start, red, history, monitor, check_curvature=False)
+    matvec, precond, red, maxiter = run.matvec, run.precond, run.red, run.maxiter
+    r, u, w, gamma, delta, rr, b_norm, threshold, from_atol, failure, hist = _start_with_Au(run, check_curvature=False)
     m = precond(w)                                                  # m₀ = M w₀
     n = matvec(m)                                                   # n₀ = A m₀
     # Without a preconditioner u = r, m = w and q = s: those recurrences are
@@ -433,21 +435,26 @@ def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductio
                                (st.gamma < 0, Reason.DIVERGED_INDEFINITE_PC))
         # A failed step must not move x or r: a zero step length.
         alpha = jnp.where(failure == Reason.ITERATING, st.gamma / curvature, jnp.zeros_like(st.gamma))
-        # z = n + β z (= A q), s = w + β s (= A p), p = u + β p, x ← x + α p,
-        # r ← r − α s, w ← w − α z (= A u) and, with M, q = m + β q (= M s),
-        # u ← u − α q (= M r); and the new r's (and u's) inner products: one
+        # The vector updates and the new r's (and u's) inner products: one
         # pass over memory, each vector in place.
-        updates = [[(beta, st.z), (1, st.n)], [(beta, st.s), (1, st.w)], [(beta, st.p), (1, _or(st.u, st.r))],
-                   [(1, st.x), (alpha, 2)], [(1, st.r), (-alpha, 1)], [(1, st.w), (-alpha, 0)]]
+        updates = [Update("z", [(beta, st.z), (1, st.n)]),                  # z ← n + β z (= A q)
+                   Update("s", [(beta, st.s), (1, st.w)]),                  # s ← w + β s (= A p)
+                   Update("p", [(beta, st.p), (1, _or(st.u, st.r))]),       # p ← u + β p
+                   Update("x", [(1, st.x), (alpha, "p")]),                  # x ← x + α p
+                   Update("r", [(1, st.r), (-alpha, "s")]),                 # r ← r − α s
+                   Update("w", [(1, st.w), (-alpha, "z")])]                 # w ← w − α z (= A u)
         if plain:                                                   # u = r, q = s, m = w
-            (z, s, p, x, r, w), local = update_and_dots(updates, dots=[(5, 4), (4, 4)])
+            dots = [Dot("w", "r"), Dot("r", "r")]                   # δ' = ⟨w, r⟩, ρ' = ⟨r, r⟩ (= γ')
+            (z, s, p, x, r, w), local = update_and_dots(*updates, dots=dots)
             u = q = None
             pending = red.start_totals(local)                       # δ' = ⟨w, r⟩, ρ' = γ' under way ...
             (delta, rr), n = red.finish_while(pending, matvec, w)   # ... while n = A w runs
             gamma, m = rr, None
         else:
-            updates += [[(beta, st.q), (1, st.m)], [(1, st.u), (-alpha, 6)]]
-            (z, s, p, x, r, w, q, u), local = update_and_dots(updates, dots=[(4, 7), (5, 7), (4, 4)])
+            updates += [Update("q", [(beta, st.q), (1, st.m)]),             # q ← m + β q (= M s)
+                        Update("u", [(1, st.u), (-alpha, "q")])]            # u ← u − α q (= M r)
+            dots = [Dot("r", "u"), Dot("w", "u"), Dot("r", "r")]  # γ' = ⟨r, u⟩, δ' = ⟨w, u⟩, ρ' = ⟨r, r⟩
+            (z, s, p, x, r, w, q, u), local = update_and_dots(*updates, dots=dots)
             pending = red.start_totals(local)                       # γ', δ', ρ' under way ...
             (gamma, delta, rr), (m, n) = red.finish_while(pending, precondition_and_apply, w)
         gamma, delta, rr = map(real, (gamma, delta, rr))
@@ -461,14 +468,14 @@ def _pipelined(matvec, b, x0, precond, rtol, atol, maxiter, start, red: Reductio
         keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731  (scalars of a failed step stay)
         k = st.k + ok.astype(jnp.int32)
         rr = keep(rr, st.rr)
-        monitor_print("cg", red.comm, monitor, k, jnp.sqrt(rr))
+        monitor_print("cg", red.comm, run.monitor, k, jnp.sqrt(rr))
         return PipelinedState(x, r, u, w, m, n, z, q, s, p, keep(gamma, st.gamma), keep(delta, st.delta),
                               keep(st.gamma, st.gamma_old), keep(alpha, st.alpha_old), rr, k, failure,
                               record(st.history, k, jnp.sqrt(rr)))
 
-    zeros = zeros_like(b)
+    zeros = zeros_like(run.b)
     one = jnp.ones_like(gamma)
-    state = PipelinedState(x0, r, _unless(plain, u), w, _unless(plain, m), n, zeros, _unless(plain, zeros), zeros,
+    state = PipelinedState(run.x0, r, _unless(plain, u), w, _unless(plain, m), n, zeros, _unless(plain, zeros), zeros,
                            zeros, gamma, delta, one, one, rr, jnp.int32(0), failure, hist)
     st = jax.lax.while_loop(keep_going, step, state)
-    return _result(st.x, st.rr, st.k, st.reason, st.history, threshold, from_atol, maxiter)
+    return _result(st, threshold, from_atol, maxiter)

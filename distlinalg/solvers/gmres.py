@@ -132,12 +132,11 @@ def gmres(
         restart = max(1, min(restart, _arguments.global_size(p.b)))
     incremental = solve_method == "incremental"
 
-    def iterate(mv, rhs, x_init, rtol_agreed, atol_scaled, maxiter_agreed, start):
-        return _gmres(mv, rhs, x_init, p.precond, rtol_agreed, atol_scaled, maxiter_agreed, start, p.reductions,
-                      restart, incremental, history, monitor)
+    def iterate(run: C.Run):
+        return _gmres(run, restart, incremental)
 
     # maxiter counts restart cycles; info.iterations, Arnoldi steps.
-    return krylov_solve(iterate, p.matvec, p.b, p, history=history, hermitian=False,
+    return krylov_solve(iterate, p.matvec, p.b, p, history=history, monitor=monitor, hermitian=False,
                         verify_residual=verify_residual, cycles_of=lambda k: (k + restart - 1) // restart)
 
 
@@ -277,8 +276,8 @@ class ArnoldiState(NamedTuple):
 
 
 # ---------------------------------------------------------------------------
-def _gmres(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions, restart, incremental,
-           history, monitor):
+def _gmres(run: C.Run, restart: int, incremental: bool):
+    matvec, precond, red, b, maxiter, monitor = run.matvec, run.precond, run.red, run.b, run.maxiter, run.monitor
     dtype = scalar_dtype(b)
     real = jnp.real(jnp.zeros((), dtype)).dtype
     eps = jnp.finfo(real).eps
@@ -288,22 +287,22 @@ def _gmres(matvec, b, x0, precond, rtol, atol, maxiter, start, red: C.Reductions
         r = sub(b, matvec(x))
         return r, precond(r)
 
-    r, z = residual(x0)
+    r, z = residual(run.x0)
     mb = precond(b)
     bb, mbmb, rr, zz = (jnp.real(v) for v in red.dots([(b, b), (mb, mb), (r, r), (z, z)]))
     nonfinite = ~(jnp.isfinite(rr) & jnp.isfinite(zz) & jnp.isfinite(mbmb))
-    failure = C.first_reason((start != Reason.ITERATING, start), (nonfinite, Reason.DIVERGED_NANORINF))
+    failure = C.first_reason((run.start != Reason.ITERATING, run.start), (nonfinite, Reason.DIVERGED_NANORINF))
     agreed = red.agree(rr, failure, also=[bb, mbmb])
     rr = agreed.value
     b_norm, mb_norm = jnp.sqrt(agreed.also[0]), jnp.sqrt(agreed.also[1])
     failure = C.mark_inconsistent(agreed.failure, C.inconsistent(agreed, True, b_norm, squared=True))
-    threshold, from_atol = C.stopping_threshold(b_norm, rtol, atol)
+    threshold, from_atol = C.stopping_threshold(b_norm, run.rtol, run.atol)
     # scipy's first inner tolerance: ‖M b‖ min(1, tol / ‖b‖) (0 for b = 0).
     ptol = jnp.where(b_norm > 0, mb_norm * jnp.minimum(1.0, threshold / jnp.where(b_norm > 0, b_norm, 1.0)), 0.0)
-    hist = C.record(C.new_history(history, real), 0, jnp.sqrt(zz))
+    hist = C.record(C.new_history(run.history, real), 0, jnp.sqrt(zz))
     C.monitor_print("gmres", red.comm, monitor, 0, jnp.sqrt(zz))
 
-    state = GmresState(x=x0, r=r, z=z, zz=zz, rr=rr, ptol=ptol.astype(real), factor=jnp.ones((), real),
+    state = GmresState(x=run.x0, r=r, z=z, zz=zz, rr=rr, ptol=ptol.astype(real), factor=jnp.ones((), real),
                        k=jnp.int32(0), cycles=jnp.int32(0), reason=failure, history=hist)
 
     def keep_going(s: GmresState):

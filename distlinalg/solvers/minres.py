@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 
 from . import _arguments
-from ._common import Reason, Reductions, SolverInfo, finish_reason, first_reason, inconsistent
+from ._common import Reason, Run, SolverInfo, finish_reason, first_reason, inconsistent
 from ._common import mark_inconsistent, monitor_print, new_history, record, stopping_threshold
 from ._driver import krylov_solve
 from ._eager import compiled_when_eager
-from ._vectors import axpy, local_vdot, scale, sub, update_and_dots, zeros_like
+from ._vectors import Dot, Update, axpy, local_vdot, scale, sub, update_and_dots, zeros_like
 
 
 @compiled_when_eager
@@ -112,17 +112,13 @@ def minres(
             return p.matvec(v)
         return axpy(-shift, v, p.matvec(v))                         # (A − σ) v
 
-    def iterate(mv, rhs, x_init, rtol_agreed, atol_scaled, maxiter_agreed, start):
-        # custom_linear_solve hands back `shifted` (or its transpose) as mv.
-        return _minres(mv, rhs, x_init, p.precond, rtol_agreed, atol_scaled, maxiter_agreed, start, p.reductions,
-                       history, monitor)
-
     def preconditioned_norm_sq(v):
         # MINRES stops on ‖r‖_M; the check of its claim uses the same norm.
         return local_vdot(v, p.precond(v))
 
     preconditioned = p.precond is not _arguments.identity
-    return krylov_solve(iterate, shifted, p.b, p, history=history, verify_residual=verify_residual,
+    # custom_linear_solve hands back `shifted` (or its transpose) as run.matvec.
+    return krylov_solve(_minres, shifted, p.b, p, history=history, monitor=monitor, verify_residual=verify_residual,
                         local_norm_sq=preconditioned_norm_sq if preconditioned else None)
 
 
@@ -158,15 +154,16 @@ class MinresState(NamedTuple):
 _VECTORS = frozenset({"x", "y", "r_a", "r_b", "w_a", "w_b"})
 
 
-def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, history, monitor):
+def _minres(run: Run):
     real = jnp.real
+    op, precond, red, b, maxiter, monitor = run.matvec, run.precond, run.red, run.b, run.maxiter, run.monitor
     preconditioned = precond is not _arguments.identity
-    r1 = sub(b, op(x0))                                             # r₁ = b − (A − σ) x₀
+    r1 = sub(b, op(run.x0))                                         # r₁ = b − (A − σ) x₀
     y = precond(r1)                                                 # y = M r₁
     mb = precond(b) if preconditioned else b
     beta1_sq, bnorm_sq = map(real, red.dots([(r1, y), (b, mb)]))    # β₁² = ⟨r₁, y⟩, ‖b‖²_M
     dtype = beta1_sq.dtype
-    failure = first_reason((start != Reason.ITERATING, start),
+    failure = first_reason((run.start != Reason.ITERATING, run.start),
                            (~jnp.isfinite(beta1_sq) | ~jnp.isfinite(bnorm_sq), Reason.DIVERGED_NANORINF),
                            (beta1_sq < 0, Reason.DIVERGED_INDEFINITE_PC))
     beta1 = jnp.sqrt(jnp.abs(beta1_sq))
@@ -175,8 +172,8 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, his
     agreed = red.agree(beta1, failure, also=[jnp.abs(bnorm_sq)])
     b_norm = jnp.sqrt(agreed.also[0])
     failure = mark_inconsistent(agreed.failure, inconsistent(agreed, True, b_norm, squared=False))
-    threshold, from_atol = stopping_threshold(b_norm, rtol, atol)
-    hist = record(new_history(history, dtype), 0, agreed.value)
+    threshold, from_atol = stopping_threshold(b_norm, run.rtol, run.atol)
+    hist = record(new_history(run.history, dtype), 0, agreed.value)
     monitor_print("minres", red.comm, monitor, 0, agreed.value)
 
     def keep_going(s: MinresState):
@@ -195,10 +192,12 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, his
         # (⟨u, y⟩/β = ⟨v, y⟩: v is never written to memory). The previous
         # step's w (w₂ here) was the last to read that slot: after it, XLA
         # writes it in place (no copy).
-        (y,), (uy,) = update_and_dots([[(-previous, r_old), (1, y)]], dots=[(u, 0)], wait_for=w2)
+        (y,), (uy,) = update_and_dots(Update("y", [(-previous, r_old), (1, y)]),  # y ← y − (β/β_old) r₁
+                                      dots=[Dot(u, "y")], wait_for=w2)              # ⟨u, y⟩
         alfa = jnp.real(red.totals([uy])[0]) / s.beta               # α = ⟨v, y⟩ = ⟨u, y⟩/β
         # r₂' = y − (α/β) r₂, in the same slot (r₁' = r₂); ⟨r₂', r₂'⟩ on the way when M is I.
-        (r2,), rr = update_and_dots([[(1, y), (-(alfa / s.beta), r_new)]], dots=[] if preconditioned else [(0, 0)])
+        (r2,), rr = update_and_dots(Update("r2", [(1, y), (-(alfa / s.beta), r_new)]),  # r₂' = y − (α/β) r₂
+                                    dots=[] if preconditioned else [Dot("r2", "r2")])    # ⟨r₂', r₂'⟩
         if preconditioned:
             y = precond(r2)                                         # y = M r₂'
             (beta_new_sq,) = map(real, red.dots([(r2, y)]))         # β' = √⟨r₂', y⟩
@@ -218,9 +217,11 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, his
         # x as it is: all its coefficients are 0, and its vectors are finite
         # unless the first step diverged, which already made x non-finite.
         keep = lambda c: jnp.where(active, c, jnp.zeros_like(c))  # noqa: E731
-        (w, x), _ = update_and_dots([[(keep(-s.epsln / gamma), w1), (keep(1 / (s.beta * gamma)), u),
-                                      (keep(-delta / gamma), w2)],
-                                     [(1, s.x), (keep(phi), 0)]])
+        (w, x), _ = update_and_dots(
+            Update("w", [(keep(-s.epsln / gamma), w1),                  # w = (v − ε w₁ − δ w₂)/γ,
+                         (keep(1 / (s.beta * gamma)), u),               #     v = u/β
+                         (keep(-delta / gamma), w2)]),
+            Update("x", [(1, s.x), (keep(phi), "w")]))                  # x ← x + φ w
         failure = first_reason(
             (~jnp.isfinite(alfa) | ~jnp.isfinite(beta_new_sq) | ~jnp.isfinite(phibar), Reason.DIVERGED_NANORINF),
             (beta_new_sq < 0, Reason.DIVERGED_INDEFINITE_PC))
@@ -262,7 +263,7 @@ def _minres(op, b, x0, precond, rtol, atol, maxiter, start, red: Reductions, his
     zeros, one, zero = zeros_like(b), jnp.ones((), dtype), jnp.zeros((), dtype)
     # Without a preconditioner y = M r₂ is r₂ itself: carrying both would make
     # XLA copy the vector every iteration.
-    state = MinresState(x=x0, r_a=r1, r_b=r1, y=y if preconditioned else None, w_a=zeros, w_b=zeros, beta=beta1,
+    state = MinresState(x=run.x0, r_a=r1, r_b=r1, y=y if preconditioned else None, w_a=zeros, w_b=zeros, beta=beta1,
                         oldb=zero, dbar=zero, epsln=zero, cs=-one, sn=zero, phibar=agreed.value, k=jnp.int32(0),
                         reason=failure, happy=jnp.bool_(False), history=hist)
     s = jax.lax.while_loop(keep_going, body, state)

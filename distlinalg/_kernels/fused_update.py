@@ -49,7 +49,7 @@ from jax.extend.core import Primitive
 
 from .. import _compat
 from .._compat import ad, batching, mlir
-from ._local_dots import HANDLER_DTYPES, leading_batch_rule
+from .local_dots import HANDLER_DTYPES, leading_batch_rule
 
 MAX_OUTPUTS = 8  # new vectors per call (csrc/fused_update.cc: kMaxOutputs)
 
@@ -162,7 +162,7 @@ def fused_update(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from distlinalg.solvers._fused_update import fused_update
+      >>> from distlinalg._kernels.fused_update import fused_update
       >>> x, p, r, q = jnp.zeros(4), jnp.ones(4), jnp.arange(4.0), jnp.full(4, 2.0)
       >>> (x, r), (rr,) = fused_update([[(1.0, x), (0.5, p)], [(1.0, r), (-0.5, q)]], dots=[(1, 1)])
       >>> x.tolist(), r.tolist(), float(rr)

@@ -4,11 +4,12 @@
 over this rank's pieces, without communication (the solvers allreduce the
 results). It exists for speed on the CPU, where XLA computes ``jnp.vdot`` as
 a multiply that writes the product vector and reductions that read it back
-(four passes over memory for two input vectors): a Krylov iteration spent
-half of its time in its two dots. The CPU lowering is an FFI handler
-(csrc/local_dots.cc) that reads each vector once, all pairs block by block
-(a vector in two pairs, such as r in ⟨r, u⟩ and ⟨r, r⟩, is read from memory
-once), with XLA's intra-op threads; it accumulates in float64 with a
+(four passes over memory for two input vectors), and a Krylov iteration
+spent much of its time in its dots (benchmarks/README.md, section "Local
+dots"). The CPU lowering is an FFI handler (csrc/local_dots.cc) that reads
+each vector once, all pairs block by block (a vector in two pairs, such as
+r in ⟨r, u⟩ and ⟨r, r⟩, is read from memory once), with XLA's intra-op
+threads; it accumulates in float64 with a
 pairwise cascade, so its rounding error is at most that of XLA's tree
 reduction. Other platforms, and dtypes other than float32, float64,
 complex64 and complex128, lower to ``sum(conj(x) * y)``.
@@ -136,7 +137,7 @@ def local_dots(pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from distlinalg.solvers._local_dots import local_dots
+      >>> from distlinalg._kernels.local_dots import local_dots
       >>> r, u = jnp.arange(4.0), jnp.ones(4)
       >>> [float(v) for v in local_dots([(r, u), (r, r)])]
       [6.0, 14.0]
