@@ -239,17 +239,22 @@ def _primitives(jaxpr):
     return names
 
 
+def _to_dense(op):
+    """The global matrix (a sample Gram operator's to_dense() is this rank's rows unless gathered)."""
+    return np.asarray(op.to_dense(gather=True) if isinstance(op, ops.SampleGramOperator) else op.to_dense())
+
+
 def test_transpose_adjoint_conj_and_diagonal_against_to_dense(case, comm):
     name, op = case
-    D = np.asarray(op.to_dense())
+    D = _to_dense(op)
     v = _vector(op, 7, comm)
     np.testing.assert_allclose(_global(op @ v, op, comm) if not op.real_linear else
                                _pairs_if_real_linear(op, _global(op @ v, op, comm)),
                                D @ _pairs_if_real_linear(op, _global(v, op, comm)), rtol=1e-10, atol=1e-11, err_msg=name)
-    np.testing.assert_allclose(np.asarray(op.T.to_dense()), D.T, rtol=1e-10, atol=1e-11, err_msg=name)
+    np.testing.assert_allclose(_to_dense(op.T), D.T, rtol=1e-10, atol=1e-11, err_msg=name)
     if not op.real_linear:
-        np.testing.assert_allclose(np.asarray(op.H.to_dense()), D.conj().T, rtol=1e-10, atol=1e-11, err_msg=name)
-        np.testing.assert_allclose(np.asarray(op.conj().to_dense()), D.conj(), rtol=1e-10, atol=1e-11, err_msg=name)
+        np.testing.assert_allclose(_to_dense(op.H), D.conj().T, rtol=1e-10, atol=1e-11, err_msg=name)
+        np.testing.assert_allclose(_to_dense(op.conj()), D.conj(), rtol=1e-10, atol=1e-11, err_msg=name)
     if op.has_diagonal and not op.real_linear:
         diagonal = _global(op.diagonal(), op, comm)
         np.testing.assert_allclose(diagonal, np.diagonal(D), rtol=1e-10, atol=1e-11, err_msg=name)

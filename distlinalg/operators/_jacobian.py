@@ -488,6 +488,9 @@ class Jacobian:
     def squared_row_sums(self) -> Any:
         """diag(ŌᴴŌ) = Σ_i Σ_c |Ō_ic|² over every rank's samples, shaped like θ̃."""
         theta = self.theta
+        # Here, before any loop: the mean row is collective (ranks may run
+        # different numbers of chunks), and one is enough.
+        mean_row = self.mean_row
         if not self.communicates:
             def squares(x: Any, mask: jax.Array | None) -> Any:
                 def rows_of(one: Any) -> Any:
@@ -503,7 +506,7 @@ class Jacobian:
                         s = s * mask.reshape(-1, *([1] * (s.ndim - 1))).astype(s.dtype)
                     return jnp.sum(s, axis=(0, 1))
 
-                return tree_map(square, rows, self.mean_row)
+                return tree_map(square, rows, mean_row)
 
             if self._chunk is None:
                 local = squares(self.samples, None)
@@ -528,7 +531,7 @@ class Jacobian:
                     return transpose(jnp.zeros((self.n_local, self.channels), self.dtype).at[:, c].set(seed * active))
 
                 rows = self._sum_over_ranks(jax.vmap(row)(seeds[: self.counts[q]]))
-                mean_c = tree_map(lambda m: m[c], self.mean_row)
+                mean_c = tree_map(lambda m: m[c], mean_row)
                 total = tree_map(lambda acc, r, m: acc + jnp.sum(jnp.abs(r - m[None]) ** 2, axis=0), total, rows, mean_c)
         return total
 
