@@ -30,10 +30,8 @@ Why split: in one combined column space [x_r; received] a halo entry lies
 ~len(x_r) columns right of its row, a diagonal that is zero almost
 everywhere. Stored by diagonals, every matvec then built that vector (a
 copy of x_r), padded it to up to twice its length (another copy) and
-streamed the empty diagonals: on 2 ranks the local part of the 10^6-row
-Poisson matvec took 1.7x as long as the split product, and whole runs
-stalled at ~60 ms per matvec (never seen with the split product). The
-pattern is static; the values may be traced and are differentiated like
+streamed the empty diagonals, far slower than the split product
+(benchmarks/README.md, "Sparse row blocks"). The pattern is static; the values may be traced and are differentiated like
 any input.
 """
 
@@ -209,8 +207,8 @@ class _Block:
             return jnp.zeros((0,), dtype)
         if self.format == "dia":
             # One padded copy of v, then plain slices: XLA vectorises this sum
-            # better than one of slices each padded to length m (measured:
-            # ~15% faster in a loop of matvecs, the same inside CG).
+            # better than one of slices each padded to length m
+            # (benchmarks/README.md, "Sparse row blocks").
             v = jnp.pad(v, (self.pad_before, self.pad_after))
             start = self.pad_before
             terms = [values[k] * v[start + d : start + d + self.m] for k, d in enumerate(self.offsets)]

@@ -41,7 +41,7 @@ def _interior_stencil(u: jax.Array) -> jax.Array:
     The halo rows are subtracted from the first and last row afterwards
     (_subtract_halo). Concatenating them onto the block instead made XLA's
     CPU backend materialise the shifted copies and run the stencil on one
-    thread (cg took 2x as long per iteration).
+    thread (benchmarks/README.md, "The 2-D Laplacian's stencil").
     """
     up = jnp.pad(u[:-1], ((1, 0), (0, 0)))
     down = jnp.pad(u[1:], ((0, 1), (0, 0)))
@@ -67,8 +67,8 @@ def _subtract_halo(inner: jax.Array, above: jax.Array | None, below: jax.Array |
       fused with its consumer, compiles to masked vector loads of the row at
       every index of the block. The masked-off lanes address up to the
       block's size past the row; where that memory is unmapped, each load
-      takes a fault-suppression assist: the overlapped 1024² matvec on 2
-      ranks took 16 ms instead of 0.8 ms in most runs (benchmarks/README.md).
+      takes a fault-suppression assist, an order of magnitude slower in
+      most runs (benchmarks/README.md, "Where the gaps came from").
     """
     present = [r for r in (above, below) if r is not None]
     if not present:
@@ -90,10 +90,9 @@ def _materialized(block: jax.Array) -> jax.Array:
     A solver uses A·v twice (CG: ⟨p, q⟩ and r − αq). Left to itself, XLA's
     CPU backend fuses the stencil into both uses and, to feed them, writes
     the four shifted copies of v to memory: five vector writes and ten
-    reads per matvec instead of one write and two reads. CG on
-    laplacian_2d(1000) took 2.8 ms per iteration on one rank instead of
-    1.3 ms (2.4 vs 0.8 ms on 2 ranks). An optimization_barrier does not
-    stop it (XLA's CPU pipeline removes barriers before fusion).
+    reads per matvec instead of one write and two reads, about twice the
+    time per CG iteration (benchmarks/README.md, "The 2-D Laplacian's
+    stencil"). An optimization_barrier does not stop it (XLA's CPU pipeline removes barriers before fusion).
 
     Off the CPU this fence is the identity (``mpi_order=False``, no
     ``pass_through``): XLA's GPU fusions recompute the stencil where it is
