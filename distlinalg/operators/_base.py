@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from .. import _trees
+from .. import _compat, _trees
 from .._mpi import Communicator, resolve_comm
 from .._trees import Structure
 from ..comm.fused import tree_allreduce
@@ -181,6 +181,11 @@ class LinearOperator(metaclass=_OperatorType):
     symmetric: bool = False
     hermitian: bool = False
     real_linear: bool = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """The function constructor, for a subclass not declared with
+        :func:`operator_class` (deprecated): ``super().__init__(matvec, ...)``."""
+        _install_legacy(self, function_operator(*args, **kwargs))
 
     # -- what an operator implements ---------------------------------------------
     def _matvec(self, v: Any) -> Any:
@@ -495,6 +500,20 @@ def linearise(operator: LinearOperator) -> LinearOperator:
     return operator
 
 
+@jax.jit
+def _linearised_product(operator: LinearOperator, v: Any) -> Any:
+    return linearise(operator).matvec(v)
+
+
+def eager_product(operator: LinearOperator, v: Any) -> Any:
+    """A v for a model operator called outside any trace: its linearisation and
+    product as one compiled program, cached by the operator's tree definition
+    (a repeated eager ``S @ v`` then costs one program run, not the model's
+    operations dispatched one by one). None inside a trace: the caller
+    applies the model directly there."""
+    return _linearised_product(operator, v) if _compat.at_top_level() else None
+
+
 # -- an operator from functions --------------------------------------------------------
 @operator_class
 class FunctionOperator(LinearOperator):
@@ -620,14 +639,20 @@ def _legacy_subclass(cls: type, args: tuple, kwargs: dict) -> LinearOperator:
                       "@operator_class: declare its fields (docs/operators.md)", DeprecationWarning, stacklevel=3)
         jax.tree_util.register_pytree_node(cls, _legacy_flatten, functools.partial(_legacy_unflatten, cls))
         _LEGACY_REGISTERED.add(cls)
-    return _legacy_instance(cls, {}, function_operator(*args, **kwargs))
+    op = object.__new__(cls)
+    op.__init__(*args, **kwargs)  # the subclass's own __init__, or LinearOperator's (the function constructor)
+    return op
+
+
+def _install_legacy(op: Any, function: FunctionOperator) -> None:
+    op.__dict__["_function"] = function
+    op.__dict__.update({name: getattr(function, name) for name in _LEGACY_FIELDS + _LEGACY_HOOKS})
 
 
 def _legacy_instance(cls: type, items: dict[str, Any], function: FunctionOperator) -> LinearOperator:
     op = object.__new__(cls)
     op.__dict__.update(items)
-    op.__dict__["_function"] = function
-    op.__dict__.update({name: getattr(function, name) for name in _LEGACY_FIELDS + _LEGACY_HOOKS})
+    _install_legacy(op, function)
     return op
 
 

@@ -23,7 +23,7 @@ from .. import ad
 from .._mpi import Communicator, resolve_comm
 from .._trees import Structure
 from ..comm.fused import tree_allreduce
-from ._base import LinearOperator, function_operator, linearise, operator_class
+from ._base import LinearOperator, eager_product, function_operator, linearise, operator_class
 from ._jacobian import UserFunction, _static, point_class
 
 _NAME = "distlinalg.operators"
@@ -151,6 +151,9 @@ class HessianOperator(_CurvatureOperator):
         return lambda p: gradient(p, *self.point.args)
 
     def _matvec(self, v: Any) -> Any:
+        eager = eager_product(self, v)
+        if eager is not None:
+            return eager
         return jax.jvp(self._gradient(), (self.point.params,), (v,))[1]
 
     def _linearised(self) -> Callable[[Any], Any]:
@@ -191,6 +194,9 @@ class GaussNewtonOperator(_CurvatureOperator):
         return tree_allreduce(local, comm=self.comm)
 
     def _matvec(self, v: Any) -> Any:
+        eager = eager_product(self, v)
+        if eager is not None:
+            return eager
         model, output_gradient = self._pieces()
         outputs, transpose = jax.vjp(model, self.point.params)
         tangent = jax.jvp(model, (self.point.params,), (v,))[1]

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .._trees import Structure, tree_map
-from ._base import LinearOperator, function_operator, linearise, operator_class
+from ._base import LinearOperator, eager_product, function_operator, linearise, operator_class
 from ._jacobian import ModelOperator, MODES, Jacobian, ModelPoint
 
 __all__ = ["gram", "gram_operator", "GramOperator", "MODES"]
@@ -200,6 +200,9 @@ class GramOperator(ModelOperator):
         return self.point.split
 
     def _matvec(self, v: Any) -> Any:
+        eager = eager_product(self, v)
+        if eager is not None:
+            return eager
         return gram_apply(self.point.jacobian(), v, self.diag_shift, self.diag_scale)
 
     def _diagonal(self) -> Any:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from .._trees import Structure
 from ..comm.p2p import sendrecv
-from ._base import LinearOperator, function_operator, linearise, operator_class
+from ._base import LinearOperator, eager_product, function_operator, linearise, operator_class
 from ._jacobian import ModelOperator, Jacobian, ModelPoint
 from ._partition import gather_rows
 
@@ -139,6 +139,9 @@ class SampleGramOperator(ModelOperator):
         return self.in_structure
 
     def _matvec(self, x: jax.Array) -> jax.Array:
+        eager = eager_product(self, x)
+        if eager is not None:
+            return eager
         return sample_gram_product(self.point.jacobian(), x) + self.diag_shift * x
 
     def _diagonal(self) -> jax.Array:
