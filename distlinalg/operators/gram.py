@@ -79,7 +79,8 @@ def gram(
       center: subtract the mean Jacobian row over all N samples.
       diag_shift: λ (may be traced; the operator is differentiable in it).
       diag_scale: ε, adds ε·diag(S) (Becca–Sorella regularisation); the
-        diagonal costs a per-sample Jacobian pass and one allreduce, once.
+        diagonal costs a per-sample Jacobian pass and one allreduce, once per
+        linearisation (once per solve).
       mode: "real", "complex" or "holomorphic", NetKet's modes (see
         :mod:`distlinalg.operators._jacobian`): "real" keeps Re f only,
         "complex" both Re f and Im f (for real params S = Re(OᴴO)/N),
@@ -88,7 +89,8 @@ def gram(
         NetKet's choice, "complex" for a complex output, else "real".
       chunk_size: evaluate the model on at most this many local samples at
         a time. Bounds memory; the model is then re-linearised per chunk in
-        every matvec (without chunks it is linearised once, here).
+        every matvec (without chunks it is linearised once per solve, by
+        :func:`~distlinalg.operators.linearise`).
       comm: communicator (default distlinalg's).
       sharded_params: params are this rank's block; the operator's layout is
         "sharded" (vectors are parameter blocks).
