@@ -41,6 +41,7 @@ from jax.flatten_util import ravel_pytree
 from .. import _compat, _trees
 from .._mpi import Communicator, resolve_comm
 from .._trees import Structure
+from ..comm._core import MPIEffect
 from ..comm.fused import tree_allreduce
 from ._partition import exchange_sizes, gather_rows
 
@@ -457,8 +458,6 @@ class LinearOperator(metaclass=_OperatorType):
 
 def _communicates(fn: Callable[[Any], Any], structure: Structure) -> bool:
     """Whether `fn` calls a distlinalg collective (read off its jaxpr at trace time)."""
-    from ..comm._core import MPIEffect
-
     effects = jax.make_jaxpr(fn)(structure.zeros()).effects
     return any(isinstance(e, MPIEffect) for e in effects)
 
