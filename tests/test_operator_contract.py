@@ -192,7 +192,10 @@ def test_jit_argument_without_retrace(case, comm):
 
     v = _vector(op, 2, comm)
     first = apply(with_leaves_scaled(1.0), v)
-    apply(with_leaves_scaled(1.5), v)
+    second = apply(with_leaves_scaled(1.5), v)
+    # Wait for both programs: the fixture frees the communicator after the test, and a
+    # program still running on it then would meet the next test's collectives.
+    jax.block_until_ready((first, second))
     assert len(traces) == 1 and apply._cache_size() == 1, name
     assert jax.tree_util.tree_structure(first) == op.out_structure.treedef, name
 
