@@ -111,10 +111,6 @@ def is_complex(tree: Any) -> bool:
     return any(jnp.iscomplexobj(x) for x in leaves(tree))
 
 
-def is_traced(tree: Any) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves(tree))
-
-
 def conj(tree: Any) -> Any:
     return tree_map(jnp.conj, tree)
 
