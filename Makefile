@@ -57,9 +57,9 @@ endif
 
 # Optional extras of pyproject.toml, each installed with the venv's jax and jaxlib pinned so
 # that it never moves them (a quick pip install of wheels):
-#   [netket]  distlinalg.netket, tests/test_netket_mpi.py, examples/netket_sr (NetKet 3.23 runs
+#   [netket]  distlinalg.netket, tests/adapters/test_netket_mpi.py, examples/netket_sr (NetKet 3.23 runs
 #             on jax 0.10)
-#   [lineax]  distlinalg.lineax, tests/test_lineax.py (lineax and optimistix)
+#   [lineax]  distlinalg.lineax, tests/adapters/test_lineax.py (lineax and optimistix)
 #   [docs]    make docs (Sphinx and myst-parser)
 NETKET_STAMP := $(VENV)/.netket-installed
 LINEAX_STAMP := $(VENV)/.lineax-installed
@@ -115,11 +115,11 @@ test: setup $(if $(filter 1,$(WITH_NETKET)),$(NETKET_STAMP)) $(if $(filter 1,$(W
 # suites at 4 and 8 ranks (oversubscribed on a small machine: 14 minutes on 2 cores). Tests that do not depend on
 # the rank count beyond 2 are marked max_ranks and skip here; from 4 ranks on, every test
 # file starts with empty JAX caches (tests/conftest.py), so 8 ranks fit in ~16 GB. The rest
-# of the suite runs there too: `make test-scale SCALE_TESTS=tests/`. CI runs tests/test_operators.py
+# of the suite runs there too: `make test-scale SCALE_TESTS=tests/`. CI runs tests/operators/test_operators.py
 # at 4 ranks (.ci/run), and Open MPI's MPI-facing suites at 4 ranks.
 SCALE_RANKS ?= 4 8
-SCALE_TESTS ?= tests/test_collectives.py tests/test_p2p.py tests/test_barrier.py tests/test_solvers.py \
-	tests/test_operators.py
+SCALE_TESTS ?= tests/comm/test_collectives.py tests/comm/test_p2p.py tests/comm/test_barrier.py tests/solvers/test_solvers.py \
+	tests/operators/test_operators.py
 test-scale: setup
 	$(BIN)/python tests/run_mpi.py --no-serial --ranks $(SCALE_RANKS) $(RUN_MPI_ARGS) -- $(SCALE_TESTS) $(PYTEST_ARGS)
 
@@ -137,7 +137,7 @@ test-mpi4jax: setup
 # Skipped when the build found no cuda.h.
 CUDA_STUB := build/libcuda_stub.so
 EMULATION_RANKS ?= 2
-EMULATION_TESTS ?= tests/test_cuda_transport.py tests/test_collectives.py tests/test_p2p.py tests/test_p2p_wildcards.py tests/test_mpi4jax_api.py
+EMULATION_TESTS ?= tests/cuda/test_cuda_transport.py tests/comm/test_collectives.py tests/comm/test_p2p.py tests/comm/test_p2p_wildcards.py tests/adapters/test_mpi4jax_api.py
 # Data movement is what differs from the CPU handlers: second derivatives,
 # vmap and input checks add no new calls of other shapes.
 EMULATION_PYTEST_ARGS ?= -k "not second_order and not vmap and not bad_input"
@@ -155,7 +155,7 @@ test-cuda-emulation: setup $(CUDA_STUB)
 	  $(EMULATION) DISTLINALG_CUDA_AWARE=1 $(BIN)/python tests/run_mpi.py --ranks $(EMULATION_RANKS) $(RUN_MPI_ARGS) -- $(EMULATION_TESTS) $(EMULATION_PYTEST_ARGS); \
 	else echo "=== CUDA handlers not built: emulation tests skipped"; fi
 
-# XLA's GPU compiler on every program of tests/test_cuda_lowering.py, without a GPU
+# XLA's GPU compiler on every program of tests/cuda/test_cuda_lowering.py, without a GPU
 # (tests/cuda_compile.py): JAX's CUDA plugin from PyPI compiles each program for the GPU of
 # CUDA_COMPILE_TARGET (tests/cuda_targets/<name>.txtpb) from a deviceless topology. Its own
 # venv, on the newest Python >= 3.12 found (GPU machines carry jax 0.11-0.12, which need it;
@@ -176,7 +176,7 @@ test-cpu-only-build: setup
 	DISTLINALG_CUDA=off $(BIN)/cmake -S . -B $(CPU_ONLY_BUILD) -DCMAKE_BUILD_TYPE=Release \
 		-DPython_EXECUTABLE=$(abspath $(BIN)/python) > $(CPU_ONLY_BUILD).log
 	$(BIN)/cmake --build $(CPU_ONLY_BUILD) -j 2 >> $(CPU_ONLY_BUILD).log
-	$(BIN)/python tests/run_with_build.py $(CPU_ONLY_BUILD) -- -q tests/test_cuda_transport.py
+	$(BIN)/python tests/run_with_build.py $(CPU_ONLY_BUILD) -- -q tests/cuda/test_cuda_transport.py
 
 # The main job: VMC with stochastic reconfiguration on 2 ranks: NetKet's own driver with
 # distlinalg's SR (examples/netket_sr, DEMO_ITERS steps of TFIM L=16), then the

@@ -91,14 +91,14 @@ check)
   # cost with and without CUDA MPS, and the overlap demonstration on the node's cores.
   out=$1; mkdir -p "$out"
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  suites=(tests/test_cuda_lowering.py tests/test_checks.py tests/test_p2p.py tests/test_solvers.py
-          tests/test_nonblocking.py tests/test_collectives.py)
+  suites=(tests/cuda/test_cuda_lowering.py tests/runtime/test_checks.py tests/comm/test_p2p.py tests/solvers/test_solvers.py
+          tests/comm/test_nonblocking.py tests/comm/test_collectives.py)
   for n in 1 2; do
     MPITEST_LOGS="$out/suites/n$n" timeout 200 "$PY" tests/run_mpi.py --ranks "$n" --no-serial --timeout 190 \
       -- -q "${suites[@]}" > "$out/suites_n$n.out" 2>&1 &
   done
   MPITEST_LOGS="$out/suites/n4" timeout 200 "$PY" tests/run_mpi.py --ranks 4 --no-serial --timeout 190 \
-    -- -q tests/test_checks.py tests/test_collectives.py > "$out/suites_n4.out" 2>&1 &
+    -- -q tests/runtime/test_checks.py tests/comm/test_collectives.py > "$out/suites_n4.out" 2>&1 &
   wait || true
   for n in 1 2 4; do echo "=== suites, $n ranks"; tail -n 15 "$out/suites_n$n.out"; done
   for n in 1 2; do
@@ -128,7 +128,7 @@ recheck)
   for n in 2 1; do
     MPITEST_LOGS="$out/suites/n$n" timeout $((30 * n + 40)) "$PY" tests/run_mpi.py --ranks "$n" --no-serial \
       --timeout $((30 * n + 30)) \
-      -- -q -rfE --tb=short tests/test_checks.py tests/test_solvers.py \
+      -- -q -rfE --tb=short tests/runtime/test_checks.py tests/solvers/test_solvers.py \
       -k "mismatch_is_an_error or without_results or failed_program or minres_indefinite or in_place or copies_no_vector" \
       > "$out/recheck_n$n.out" 2>&1 || true
     tail -n 25 "$out/recheck_n$n.out"
@@ -152,7 +152,7 @@ cuda-aware)
           -x MPI4PY_MPIABI -x MPI4PY_LIBMPI -x XLA_PYTHON_CLIENT_PREALLOCATE)
   "${launch[@]}" -n 2 "$PY" -m distlinalg 2>&1 | tee "$out/transport.txt"
   MPIEXEC="${launch[*]}" MPITEST_LOGS="$out/suites/n2" timeout 110 "$PY" tests/run_mpi.py --ranks 2 --no-serial \
-    --timeout 100 -- -q -rfE --tb=short tests/test_collectives.py tests/test_p2p.py \
+    --timeout 100 -- -q -rfE --tb=short tests/comm/test_collectives.py tests/comm/test_p2p.py \
     > "$out/cuda_aware_n2.out" 2>&1 || true
   tail -n 25 "$out/cuda_aware_n2.out"
   timeout 40 "${launch[@]}" -n 2 "$PY" benchmarks/bench_gpu.py --max-bytes 16777216 --repeats 3 --seconds 0.05 \

@@ -322,9 +322,9 @@ def effect_free_lowering_context(ctx: Any, avals_in: Any, avals_out: Any) -> Any
 # dot: the result reads uninitialised memory (nondeterministic garbage), with
 # or without MPI, e.g. jit(lambda X, s: jnp.sum(X @ jnp.broadcast_to(s, (8, 4)), 1))
 # on a (1024, 8) X, or jnp.sum((X @ W) ** 2, 1). A solve with x0=None hits it
-# (A x0 with x0 = zeros / scale is such a dot; reproducer in tests/test_gram.py).
+# (A x0 with x0 = zeros / scale is such a dot; reproducer in tests/operators/test_gram.py).
 # distlinalg sets the YNN fusion types to YNN's individual dots only (its
-# matmul kernels, correct on every pattern in tests/test_ynn.py and ~2x
+# matmul kernels, correct on every pattern in tests/runtime/test_ynn.py and ~2x
 # Eigen's speed on a 512x512 float64 product here): through XLA_FLAGS before
 # XLA starts, else per compilation. A jaxlib without that type gets none.
 _YNN_FLAG = "xla_cpu_experimental_ynn_fusion_type"

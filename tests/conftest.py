@@ -9,6 +9,7 @@ most n ranks.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import jax
 
@@ -19,6 +20,11 @@ import pytest  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import distlinalg  # noqa: E402,F401  (initialises MPI and the handlers)
+
+# The test tree mirrors the package (tests/comm/, tests/solvers/, ...); the harness and
+# the shared references live here at its root, and a test finds files from these.
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
 
 
 def pytest_configure(config):

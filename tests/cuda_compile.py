@@ -1,4 +1,4 @@
-"""Compile every program of tests/test_cuda_lowering.py with XLA's GPU compiler, without a GPU.
+"""Compile every program of tests/cuda/test_cuda_lowering.py with XLA's GPU compiler, without a GPU.
 
     python tests/cuda_compile.py [--target h100] [--ranks 2] [-- pytest args]
 
@@ -59,7 +59,7 @@ def main() -> int:
                JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", DISTLINALG_CUDA_COMPILE=args.target)
     # The CPU-only XLA flags of the test worlds are unknown to the GPU compiler, which aborts on them.
     cmd = [sys.executable, str(ROOT / "tests" / "run_mpi.py"), "--ranks", *args.ranks, "--xla-defaults", "--",
-           str(ROOT / "tests" / "test_cuda_lowering.py"), *args.pytest_args]
+           str(ROOT / "tests" / "cuda" / "test_cuda_lowering.py"), *args.pytest_args]
     return subprocess.run(cmd, env=env, cwd=ROOT).returncode
 
 

@@ -1,6 +1,6 @@
 /* A stand-in for the CUDA driver (libcuda) that works on host memory, so the
  * CUDA handlers' staging logic runs on machines without a GPU
- * (tests/test_cuda_transport.py, DISTLINALG_CUDA_EMULATION=1).
+ * (tests/cuda/test_cuda_transport.py, DISTLINALG_CUDA_EMULATION=1).
  *
  * Asynchronous copies are queued and only performed by cuStreamSynchronize
  * (or by cuEventSynchronize, up to the event's place in the queue), and

@@ -18,7 +18,7 @@ arrays pass by as they are (nothing is copied) and the call does nothing at
 run time, on the CPU and on GPUs. (An ``optimization_barrier`` would not do:
 XLA's CPU pipeline removes barriers before it schedules.) That the starts
 run before `fn` is left to XLA's scheduler, which issues a start as soon as
-its operand is ready in the programs checked here (tests/test_overlap.py
+its operand is ready in the programs checked here (tests/comm/test_overlap.py
 reads the compiled schedule); a data dependency could force it only by
 copying `fn`'s inputs.
 

@@ -1,4 +1,4 @@
-"""Jobs in which one rank blocks where the others can never meet it, for tests/test_checks.py.
+"""Jobs in which one rank blocks where the others can never meet it, for tests/runtime/test_checks.py.
 
     mpiexec -n P python tests/scripts/checks_job.py MODE
 

@@ -1,4 +1,4 @@
-"""Jobs that fail, hang or run long on purpose, for tests/test_safety_runtime.py.
+"""Jobs that fail, hang or run long on purpose, for tests/runtime/test_safety_runtime.py.
 
     mpiexec -n P python tests/scripts/safety_job.py MODE
 

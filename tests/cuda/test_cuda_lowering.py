@@ -34,6 +34,8 @@ import distlinalg as dl
 from distlinalg import _mpi, comm as dlc
 from distlinalg.operators import laplacian_2d
 
+from conftest import TESTS_DIR
+
 pytestmark = pytest.mark.skipif(
     not _mpi.BUILD_INFO["cuda"], reason="distlinalg built without the CUDA handlers (no cuda.h at build time)"
 )
@@ -42,7 +44,7 @@ pytestmark = pytest.mark.skipif(
 _TARGET = re.compile(r'(?:custom_call_target\s*=\s*|stablehlo\.custom_call\s+@|call_target_name\s*=\s*)"?(distlinalg_\w+)')
 
 
-_TARGETS = Path(__file__).resolve().parent / "cuda_targets"
+_TARGETS = TESTS_DIR / "cuda_targets"
 _COMPILE_TARGET = os.environ.get("DISTLINALG_CUDA_COMPILE", "").strip()
 
 

@@ -19,7 +19,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +28,10 @@ import pytest
 nk = pytest.importorskip("netket", reason="NetKet is not installed (pip install -e '.[netket]'; make test does)")
 
 import distlinalg.netket as dnk  # noqa: E402
+from conftest import REPO_ROOT  # noqa: E402
 from run_mpi import find_mpiexec  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "examples" / "netket_sr" / "vmc_sr.py"
+SCRIPT = REPO_ROOT / "examples" / "netket_sr" / "vmc_sr.py"
 L = 8
 N_CHAINS = 4  # per rank
 CHAIN_LENGTH = 16
@@ -270,7 +269,7 @@ def _env(**extra: str) -> dict[str, str]:
 def test_importing_distlinalg_netket_does_not_import_netket():
     code = ("import sys, distlinalg, distlinalg.netket as d; assert 'netket' not in sys.modules, 'imported'; "
             "d.SR(diag_shift=0.1); assert 'netket' not in sys.modules")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -280,7 +279,7 @@ def test_example_script_on_two_ranks():
     """examples/netket_sr/vmc_sr.py as a 2-rank job, 25 steps: the last line is the accuracy."""
     cmd = find_mpiexec() + ["-n", "2", sys.executable, str(SCRIPT)]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(VMC_SR_ITERS="25"), capture_output=True, text=True,
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(VMC_SR_ITERS="25"), capture_output=True, text=True,
                               timeout=240, start_new_session=True)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"vmc_sr.py still running after {err.timeout} s: {err.output}")
@@ -296,10 +295,10 @@ def test_example_script_on_two_ranks():
 def test_tfim_spectrum_example_against_lanczos_ed():
     """examples/eigsh_tfim/tfim_spectrum.py at L = 12 on 3 ranks: distlinalg.eigsh on the rows
     split over the ranks against NetKet's lanczos_ed, and dE0/dh by AD against a central difference."""
-    script = ROOT / "examples" / "eigsh_tfim" / "tfim_spectrum.py"
+    script = REPO_ROOT / "examples" / "eigsh_tfim" / "tfim_spectrum.py"
     cmd = find_mpiexec() + ["-n", "3", sys.executable, str(script), "12"]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300,
                               start_new_session=True)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"tfim_spectrum.py still running after {err.timeout} s: {err.output}")
@@ -497,9 +496,9 @@ def test_unequal_sample_counts_raise_on_every_rank(ising, comm):
 def test_netket_documented_scripts_on_two_ranks(script, variable, args, expected):
     """NetKet's own SR scripts with only the state changed (examples/netket_sr), as 2-rank jobs,
     a few steps each: they run to the end and print the energy of all ranks' samples."""
-    cmd = find_mpiexec() + ["-n", "2", sys.executable, str(ROOT / "examples" / "netket_sr" / script), *args]
+    cmd = find_mpiexec() + ["-n", "2", sys.executable, str(REPO_ROOT / "examples" / "netket_sr" / script), *args]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(**{variable: "5"}), capture_output=True, text=True,
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=_env(**{variable: "5"}), capture_output=True, text=True,
                               timeout=240, start_new_session=True)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{script} still running after {err.timeout} s: {err.output}")

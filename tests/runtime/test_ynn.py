@@ -10,13 +10,12 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.serial
+from conftest import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.serial
 
 PROBE = textwrap.dedent(
     """
@@ -60,7 +59,7 @@ def test_ynn_fusions_off_whatever_the_import_order(order):
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "ynn_fusion" not in f)
     env = dict(os.environ, XLA_FLAGS=flags)
     out = subprocess.run([sys.executable, "-c", PROBE, order], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT, env=env)
+                         timeout=300, cwd=REPO_ROOT, env=env)
     assert out.returncode == 0, out.stderr
     status, program, error = out.stdout.strip().splitlines()[-3:]
     if status == "not present in this jaxlib":

@@ -24,10 +24,10 @@ import pytest
 
 from distlinalg import _mpi
 from distlinalg.comm import allgather, allreduce, barrier, bcast, configure, reduce
-from conftest import assert_no_failures, failure_of
 
-ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "tests" / "scripts" / "checks_job.py"
+from conftest import REPO_ROOT, assert_no_failures, failure_of
+
+JOB = REPO_ROOT / "tests" / "scripts" / "checks_job.py"
 MISMATCH = "mismatched communication across ranks"
 
 

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,10 +23,10 @@ from mpi4py import MPI
 from distlinalg import _safety
 from distlinalg._env import parse_flag
 from distlinalg.comm import allreduce, configure
+from conftest import REPO_ROOT
 from run_mpi import find_mpiexec
 
-ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "tests" / "scripts" / "safety_job.py"
+JOB = REPO_ROOT / "tests" / "scripts" / "safety_job.py"
 HYDRA = "MPICH" in MPI.Get_library_version()  # Ctrl-C forwarding is launcher-specific
 
 
@@ -172,7 +171,7 @@ class Job:
         self.lines: list[str] = []
         self.all_ready = threading.Event()
         self.start = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(**env), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -385,7 +384,7 @@ def test_one_ctrl_c_ends_the_job(job, mode, ranks):
     [("DISTLINALG_TIMEOUT", "soon"), ("DISTLINALG_ABORT_ON_ERROR", "maybe"), ("DISTLINALG_SIGNALS", "2")],
 )
 def test_bad_environment_values_fail_at_import(name, value):
-    out = subprocess.run([sys.executable, "-c", "import distlinalg"], cwd=ROOT, env=_env(**{name: value}),
+    out = subprocess.run([sys.executable, "-c", "import distlinalg"], cwd=REPO_ROOT, env=_env(**{name: value}),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "ValueError" in out.stderr and f"{name}={value!r}" in out.stderr, out.stderr
@@ -394,7 +393,7 @@ def test_bad_environment_values_fail_at_import(name, value):
 @pytest.mark.serial
 def test_bad_environment_value_fails_on_every_rank_without_hanging():
     cmd = find_mpiexec() + ["-n", "2", sys.executable, "-c", "import distlinalg"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(DISTLINALG_TIMEOUT="-3"), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(DISTLINALG_TIMEOUT="-3"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=60)
@@ -417,7 +416,7 @@ def test_every_switch_reads_the_same_words(variable):
              "print(m._native.settings()['debug_log'], c.emulated(), distlinalg.YNN_FUSION.startswith('kept'))")
 
     def run(value, code=probe):
-        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(**{variable: value}),
+        return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=_env(**{variable: value}),
                               capture_output=True, text=True, timeout=120)
 
     column = ["DISTLINALG_DEBUG", "DISTLINALG_CUDA_EMULATION", "DISTLINALG_YNN_FUSION"].index(variable)

@@ -435,7 +435,7 @@ def test_jitted_solve_on_communicating_gram_matches_eager(comm, rank, size):
     operator and solving with it in one jit gave wrong solutions: cg's A x0
     for the default x0 (zeros times the rhs scale, a broadcast scalar) is a
     reduced dot that YNN miscompiles from 1024 rows on (size * n here), not an
-    MPI effect (tests/test_ynn.py has the MPI-free reproducer). distlinalg
+    MPI effect (tests/runtime/test_ynn.py has the MPI-free reproducer). distlinalg
     switches YNN's reduce fusions off and skips A x0 for x0=None."""
     L, H, n = 8, 4, 512
     W = jnp.asarray(np.random.default_rng(rank).standard_normal((H, L))) * 0.3

@@ -6,18 +6,18 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from conftest import REPO_ROOT
+
 pytestmark = pytest.mark.serial
 
-ROOT = Path(__file__).resolve().parent.parent
-RUNNER = ROOT / "tests" / "run_mpi.py"
+RUNNER = REPO_ROOT / "tests" / "run_mpi.py"
 
 
 def run(cmd, timeout=300, **kw):
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, **kw)
 
 
 def test_environment_report_under_mpiexec():
@@ -86,7 +86,7 @@ def test_build_without_mpi_compiler_says_how_to_get_one(tmp_path):
     import jax  # noqa: F401  (the configure step imports it too)
 
     env = dict(os.environ, DISTLINALG_MPICC=str(tmp_path / "no-such-mpicc"))
-    out = run(["cmake", "-S", str(ROOT), "-B", str(tmp_path / "build"),
+    out = run(["cmake", "-S", str(REPO_ROOT), "-B", str(tmp_path / "build"),
                f"-DPython_EXECUTABLE={sys.executable}"], env=env)
     assert out.returncode != 0
     message = out.stdout + out.stderr
@@ -109,7 +109,7 @@ def test_harness_reports_a_deadlocked_test_and_its_rank(tmp_path):
         """
     ))
     # The harness's own deadlock report: with the default checks on, the end-of-program
-    # check would turn this deadlock into an error first (tests/test_checks.py).
+    # check would turn this deadlock into an error first (tests/runtime/test_checks.py).
     env = dict(os.environ, DISTLINALG_CHECK="0")
     out = run([sys.executable, str(RUNNER), "--ranks", "2", "--no-serial", "--timeout", "120",
                "--", str(test_file)], timeout=200, env=env)
