@@ -69,12 +69,6 @@ def channel_dot(rows: Any, v: Any) -> jax.Array:
 
 
 # -- validation ------------------------------------------------------------------
-def default_mode(f: Callable[..., Any], params: Any, samples: Any) -> str:
-    """NetKet's default: "complex" when f's output is complex, else "real"."""
-    out = jax.eval_shape(f, params, samples)
-    return "complex" if jnp.issubdtype(out.dtype, jnp.complexfloating) else "real"
-
-
 def check_model(f: Callable[..., Any], params: Any, samples: Any, mode: str | None, where: str):
     """Validate at trace time. Returns (mode, local sample count, whether f
     communicates, whether its output is complex)."""
@@ -534,6 +528,28 @@ class Jacobian:
                 mean_c = tree_map(lambda m: m[c], mean_row)
                 total = tree_map(lambda acc, r, m: acc + jnp.sum(jnp.abs(r - m[None]) ** 2, axis=0), total, rows, mean_c)
         return total
+
+
+class ParameterSpace:
+    """What the operators on their point's parameters share (the Gram operator
+    S, the Hessian, the Gauss–Newton operator): input and output shaped like
+    the point's parameters, in their layout (sharded when the parameters are
+    rank-local blocks, else replicated). A mixin ahead of the operator base:
+    the point (a :class:`ModelPoint` or a ``LossPoint``) is the operator's child."""
+
+    point: Any
+
+    @property
+    def in_structure(self) -> Structure:
+        return self.point.params_structure
+
+    @property
+    def out_structure(self) -> Structure:
+        return self.point.params_structure
+
+    @property
+    def layout(self) -> str:
+        return "sharded" if self.point.sharded_params else "replicated"
 
 
 @operator_class

@@ -24,7 +24,7 @@ from .._mpi import Communicator, resolve_comm
 from .._trees import Structure
 from ..comm.fused import tree_allreduce
 from ._base import LinearOperator, eager_product, function_operator, linearise, operator_class
-from ._jacobian import UserFunction, _static, point_class
+from ._jacobian import ParameterSpace, UserFunction, _static, point_class
 
 _NAME = "distlinalg.operators"
 
@@ -73,7 +73,7 @@ class LossPoint:
 
 
 @operator_class
-class _CurvatureOperator(LinearOperator):
+class _CurvatureOperator(ParameterSpace, LinearOperator):
     """Shared by the Hessian and the Gauss–Newton operator: one child, the
     :class:`LossPoint`; symmetric, in the layout of the parameters."""
 
@@ -91,18 +91,6 @@ class _CurvatureOperator(LinearOperator):
     def args(self) -> tuple:
         """The loss's other arguments (this rank's data), or their cotangents."""
         return self.point.args
-
-    @property
-    def in_structure(self) -> Structure:
-        return self.point.params_structure
-
-    @property
-    def out_structure(self) -> Structure:
-        return self.point.params_structure
-
-    @property
-    def layout(self) -> str:
-        return "sharded" if self.point.sharded_params else "replicated"
 
     @property
     def comm(self) -> Communicator:

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from .._trees import Structure, tree_map
+from .._trees import tree_map
 from ._base import LinearOperator, eager_product, function_operator, linearise, operator_class
-from ._jacobian import ModelOperator, MODES, Jacobian, ModelPoint
+from ._jacobian import MODES, Jacobian, ModelOperator, ModelPoint, ParameterSpace
 
 __all__ = ["gram", "gram_operator", "GramOperator", "MODES"]
 
@@ -142,7 +142,7 @@ def gram_operator(point: ModelPoint, diag_shift: Any, diag_scale: Any = None) ->
 
 
 @operator_class
-class GramOperator(ModelOperator):
+class GramOperator(ParameterSpace, ModelOperator):
     """S = ŌᴴŌ/N + diag_shift·I + diag_scale·diag(ŌᴴŌ/N); see :func:`gram`.
 
     Args:
@@ -183,19 +183,6 @@ class GramOperator(ModelOperator):
 
     diag_shift: Any = 0.0
     diag_scale: Any = None
-
-
-    @property
-    def in_structure(self) -> Structure:
-        return self.point.params_structure
-
-    @property
-    def out_structure(self) -> Structure:
-        return self.point.params_structure
-
-    @property
-    def layout(self) -> str:
-        return "sharded" if self.point.sharded_params else "replicated"
 
     @property
     def real_linear(self) -> bool:
