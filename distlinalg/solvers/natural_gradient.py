@@ -4,7 +4,7 @@
 
 with Ō the centred Jacobian of the per-sample outputs (log ψ) and ē the
 centred residuals (local energies) of all N samples on all ranks, in one of
-NetKet's modes (:mod:`distlinalg.operators._jacobian`). Two equivalent
+NetKet's modes (:class:`distlinalg.operators.ModelPoint`). Two equivalent
 solves (push-through identity (ŌᴴŌ/N + λ)⁻¹ Ōᴴ = Ōᴴ (ŌŌᴴ/N + λ)⁻¹):
 
   * parameter space (SR):       (S + λ) δ = F                 n × n
