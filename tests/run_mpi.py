@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Run the test suite under mpiexec, one rank count after another.
 
+The single-process tests (marked ``serial``; they start their own mpiexec
+jobs) run in the background beside a first world of one rank, which leaves
+a core free (--serial-first: alone, before the worlds).
+
     python tests/run_mpi.py --ranks 1 2 3 -- [pytest args]
     python tests/run_mpi.py --mpiexec-only -n 2 -- python script.py
 
@@ -171,6 +175,37 @@ def run_ranks(nprocs: int, pytest_args: list[str], timeout: float, cache_dir: st
     return ok
 
 
+class SerialRun:
+    """The single-process tests (pytest -m serial) in the background, their
+    output in a log that is shown when they end."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        LOGS.mkdir(parents=True, exist_ok=True)
+        self.log_path = LOGS / "serial.log"
+        self.log = open(self.log_path, "w")
+        print(f"=== single-process tests, beside the first world (report after it): {' '.join(cmd)}", flush=True)
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def finish(self) -> bool:
+        code = self.proc.wait()
+        self.log.close()
+        print("=== single-process tests", flush=True)
+        print(self.log_path.read_text(), flush=True)
+        ok = code in (0, 5)  # 5: nothing collected (e.g. a -k filter)
+        print(f"=== single-process tests: {'ok' if ok else 'FAILED'} in {time.monotonic() - self.start:.0f} s",
+              flush=True)
+        return ok
+
+    def stop(self) -> None:
+        """Interrupted (Ctrl-C, an error in the harness): end them with their process group."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         return worker(sys.argv[2:])
@@ -178,6 +213,9 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--timeout", type=float, default=2400.0, help="wall-clock limit per rank count (s); each test has its own pytest-timeout")
     parser.add_argument("--no-serial", action="store_true", help="skip the single-process tests")
+    parser.add_argument("--serial-first", action="store_true",
+                        help="run the single-process tests alone before the worlds (by default they run beside a "
+                             "first world of one rank)")
     parser.add_argument("--no-compile-cache", action="store_true",
                         help="compile everything afresh in every world (no shared JAX compilation cache)")
     parser.add_argument("--xla-defaults", action="store_true",
@@ -190,18 +228,28 @@ def main() -> int:
     if args.mpiexec_only:
         return subprocess.call(find_mpiexec() + ["-n", str(args.n), *rest], cwd=ROOT)
     results = []
+    serial = None
     if not args.no_serial:
-        print("=== single-process tests", flush=True)
-        code = subprocess.call(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "serial", *rest], cwd=ROOT
-        )
-        results.append(code in (0, 5))
+        serial_cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "serial", *rest]
+        if args.ranks[:1] == [1] and len(os.sched_getaffinity(0)) >= 2 and not args.serial_first:
+            # The single-process tests mostly wait (for watchdogs, stall reports,
+            # the mpiexec jobs they start), and a one-rank world leaves a core
+            # free: they run beside it, and their report follows its report.
+            serial = SerialRun(serial_cmd)
+        else:
+            print("=== single-process tests", flush=True)
+            results.append(subprocess.call(serial_cmd, cwd=ROOT) in (0, 5))
     cache_dir = "" if args.no_compile_cache else tempfile.mkdtemp(prefix="distlinalg-jax-cache-")
     xla_flags = None if args.xla_defaults else fast_compile_flags()
     try:
         for n in args.ranks:
             results.append(run_ranks(n, rest, args.timeout, cache_dir, xla_flags))
+            if serial is not None:
+                results.append(serial.finish())
+                serial = None
     finally:
+        if serial is not None:
+            serial.stop()
         if cache_dir:
             shutil.rmtree(cache_dir, ignore_errors=True)
     print(f"=== summary: {sum(results)} of {len(results)} runs passed", flush=True)

@@ -253,6 +253,7 @@ def _lineax_operators(M, theta):
     }
 
 
+@pytest.mark.max_ranks(2)  # replicated, rank-count independent beyond 2 (CI time)
 @pytest.mark.parametrize("kind", ["Matrix", "Function", "Jacobian", "Tagged", "Add", "Mul", "Composed", "Diagonal"])
 def test_lineax_operators_in_every_ad_mode(comm, rank, size, kind):
     """lineax's operators (replicated: every rank holds them) solved by
@@ -356,11 +357,14 @@ def test_lineax_operators_of_different_layouts_raise(comm, rank, size):
 
 # ---------------------------------------------------------------------------
 # optimistix's least-squares solvers on sharded residuals (issue 41, item 1)
+FIT_POINTS = 24  # (the tolerances are tuned to these points: with 23, 25 or 26 one solver or another fails)
+
+
 def _exponential_fit_data(size, rank):
     rng = np.random.default_rng(10)
-    t_all = np.linspace(0.0, 1.0, 24)
-    y_all = 2.0 * np.exp(-1.3 * t_all) + 0.5 + 0.01 * rng.standard_normal(24)
-    part = ops.Partition.even(24, size)
+    t_all = np.linspace(0.0, 1.0, FIT_POINTS)
+    y_all = 2.0 * np.exp(-1.3 * t_all) + 0.5 + 0.01 * rng.standard_normal(FIT_POINTS)
+    part = ops.Partition.even(FIT_POINTS, size)
     return t_all, y_all, jnp.asarray(block(t_all, part, rank)), jnp.asarray(block(y_all, part, rank)), part
 
 
@@ -393,7 +397,13 @@ LEAST_SQUARES_KINDS = ["dlx.GaussNewton", "dlx.LevenbergMarquardt", "dlx.Indirec
                        "optx.Dogleg"]
 
 
-@pytest.mark.parametrize("kind", LEAST_SQUARES_KINDS)
+# Every kind reaches the sharded residuals through the same wrapper; the third rank
+# runs one of each family (CI time).
+AT_THREE_RANKS = ("dlx.IndirectLevenbergMarquardt", "optx.Dogleg")
+
+
+@pytest.mark.parametrize("kind", [k if k in AT_THREE_RANKS else pytest.param(k, marks=pytest.mark.max_ranks(2))
+                                  for k in LEAST_SQUARES_KINDS])
 def test_optimistix_least_squares_over_sharded_residuals(comm, rank, size, kind):
     """A fit y ≈ a·exp(k·t) + c of every rank's points by each optimistix
     least-squares solver, against the same fit of the gathered data in one
@@ -417,7 +427,7 @@ def test_optimistix_least_squares_over_sharded_residuals(comm, rank, size, kind)
     np.testing.assert_allclose(np.asarray(value), np.asarray(reference_fit(jnp.asarray(y_all))), rtol=1e-7)
     assert all(np.array_equal(other, np.asarray(value)) for other in comm.allgather(np.asarray(value)))
 
-    direction_all = np.cos(np.arange(24.0))
+    direction_all = np.cos(np.arange(float(FIT_POINTS)))
     _, derivative = jax.jit(lambda y, d: jax.jvp(fit, (y,), (d,)))(y, jnp.asarray(block(direction_all, part, rank)))
     _, expected = jax.jvp(reference_fit, (jnp.asarray(y_all),), (jnp.asarray(direction_all),))
     np.testing.assert_allclose(np.asarray(derivative), np.asarray(expected), rtol=1e-6, atol=1e-9)

@@ -110,7 +110,8 @@ def test_harness_reports_a_deadlocked_test_and_its_rank(tmp_path):
     ))
     # The harness's own deadlock report: with the default checks on, the end-of-program
     # check would turn this deadlock into an error first (tests/runtime/test_checks.py).
-    env = dict(os.environ, DISTLINALG_CHECK="0")
+    # Its logs in tmp_path: never over those of a world of the suite's own run.
+    env = dict(os.environ, DISTLINALG_CHECK="0", MPITEST_LOGS=str(tmp_path / "logs"))
     out = run([sys.executable, str(RUNNER), "--ranks", "2", "--no-serial", "--timeout", "120",
                "--", str(test_file)], timeout=200, env=env)
     assert out.returncode != 0

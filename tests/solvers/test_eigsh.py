@@ -62,7 +62,11 @@ def run(A, comm, layout, k, **options):
 METHODS = [("lanczos", which) for which in ["SA", "LA", "SM", "LM"]] + [("lobpcg", "SA"), ("lobpcg", "LA")]
 
 
-@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+# The replicated layout does not depend on the rank count beyond 2 (CI time).
+REPLICATED_UP_TO_TWO = pytest.param("replicated", marks=pytest.mark.max_ranks(2))
+
+
+@pytest.mark.parametrize("layout", [REPLICATED_UP_TO_TWO, "sharded"])
 @pytest.mark.parametrize("dtype", ["float64", "complex128"])
 @pytest.mark.parametrize("method,which", METHODS)
 def test_eigenpairs_against_numpy(comm, size, layout, dtype, method, which):
@@ -180,7 +184,7 @@ def test_lobpcg_in_jit_on_the_sharded_laplacian(comm, size):
 
 
 @pytest.mark.parametrize("method", ["lanczos", "lobpcg"])
-@pytest.mark.parametrize("layout", [pytest.param("replicated", marks=pytest.mark.max_ranks(2)), "sharded"])
+@pytest.mark.parametrize("layout", [REPLICATED_UP_TO_TWO, "sharded"])
 def test_vmap_over_independent_operators(comm, size, method, layout):
     """jax.vmap over a batch of operators (in the sharded layout: each rank's rows of each):
     every member against numpy, and the batched gradient of the smallest eigenvalues."""
@@ -260,7 +264,7 @@ def test_unconverged_derivative_raises_eagerly_and_is_nan_in_jit(comm, rank, siz
 
 
 @pytest.mark.parametrize("method", ["lanczos", "lobpcg"])
-@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+@pytest.mark.parametrize("layout", [REPLICATED_UP_TO_TWO, "sharded"])
 def test_derivatives_against_eigh(comm, size, layout, method):
     """d/dθ of eigenvalues and of a phase-invariant function of the eigenvectors of
     A(θ) = A₀ + θ B, forward and reverse, against jnp.linalg.eigh on the gathered matrix."""
