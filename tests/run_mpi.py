@@ -184,7 +184,6 @@ class SerialRun:
         self.log_path = LOGS / "serial.log"
         self.log = open(self.log_path, "w")
         print(f"=== single-process tests, beside the first world (report after it): {' '.join(cmd)}", flush=True)
-        self.start = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
@@ -194,8 +193,8 @@ class SerialRun:
         print("=== single-process tests", flush=True)
         print(self.log_path.read_text(), flush=True)
         ok = code in (0, 5)  # 5: nothing collected (e.g. a -k filter)
-        print(f"=== single-process tests: {'ok' if ok else 'FAILED'} in {time.monotonic() - self.start:.0f} s",
-              flush=True)
+        # (pytest's summary above has their own time; they ended at the latest with the world)
+        print(f"=== single-process tests: {'ok' if ok else 'FAILED'}", flush=True)
         return ok
 
     def stop(self) -> None:
