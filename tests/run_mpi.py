@@ -193,7 +193,7 @@ class SerialRun:
         print("=== single-process tests", flush=True)
         print(self.log_path.read_text(), flush=True)
         ok = code in (0, 5)  # 5: nothing collected (e.g. a -k filter)
-        # (pytest's summary above has their own time; they ended at the latest with the world)
+        # (their own time is in pytest's summary above; this point is after the world as well)
         print(f"=== single-process tests: {'ok' if ok else 'FAILED'}", flush=True)
         return ok
 
