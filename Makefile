@@ -36,7 +36,7 @@ else
 endif
 
 BUILD_DEPS := "scikit-build-core>=0.10" "cmake>=3.18" "nanobind>=2.0" "jax>=0.5.0" numpy
-TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib
+TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib "hypothesis>=6"
 
 .PHONY: setup netket lineax docs test test-scale test-mpi4jax test-cuda-emulation test-cuda-compile test-cpu-only-build demo clean bench
 

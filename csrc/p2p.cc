@@ -47,8 +47,10 @@ ffi::Error KeepTemplateBeyondMessage(const char* op, const MPI_Status& status,
 
 // A receive must be filled by its message: a shorter message would leave
 // the template's tail in the result without a word, and a longer one is
-// truncated by MPI. Both are reported on the receiving rank with the two
-// sizes. `may_lack` (distlinalg/comm/p2p.py, _fills): 0, the message fills
+// truncated by MPI. Both are reported on the receiving rank: a shorter one
+// with the two sizes, a longer one with the template's (MPI's status of a
+// truncated receive does not hold the message's length, and probing every
+// receive first would cost a round trip into MPI per message). `may_lack` (distlinalg/comm/p2p.py, _fills): 0, the message fills
 // the template; k > 0, it may also lack k elements (the flags of the primal
 // message of a differentiated exchange, which a source that does not
 // differentiate does not send); -1, it may be shorter (the caller gets the
@@ -73,7 +75,8 @@ ffi::Error CheckMessageFills(const char* op, int rc, const MPI_Status& status, i
     if (error_class != MPI_ERR_TRUNCATE) return MpiError(op, rc);
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       where() + " is longer than the receive template of " + std::to_string(expected) +
-                          " elements of " + DtypeName(dtype) + " (MPI: message truncated)" + rule);
+                          " elements of " + DtypeName(dtype) +
+                          " (MPI truncated it; MPI does not report a truncated message's length)" + rule);
   }
   if (from == MPI_PROC_NULL || with_tag >= kUserTagLimit) return ffi::Error::Success();
   MPI_Count elements = 0;

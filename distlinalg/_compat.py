@@ -438,27 +438,6 @@ def requested_platforms() -> str:
 
 
 # ---------------------------------------------------------------------------
-# Detached token scopes (distlinalg.comm._core.run_detached): a region of
-# distlinalg calls lowered with an MPI token of its own, for code that JAX
-# lowers without passing one (lineax's linear_solve_p declares no effects).
-def new_token_set(existing: Any, effect: Any, token: Any) -> Any:
-    """``existing`` (a lowering context's TokenSet) plus `effect` ↦ `token`."""
-    return mlir.TokenSet({**dict(existing.items()), effect: token})
-
-
-def token_set_without(tokens: Any, effect: Any) -> Any:
-    return mlir.TokenSet({e: t for e, t in tokens.items() if e is not effect and e != effect})
-
-
-def lower_jaxpr_inline(ctx: Any, jaxpr: Any, tokens: Any, consts: Any, args: Any) -> tuple[Any, Any]:
-    """Emit `jaxpr` (with constvar values `consts`) into the current lowering,
-    threading `tokens`; returns (outputs, tokens out)."""
-    return mlir.jaxpr_subcomp(
-        ctx.module_context, jaxpr, ctx.name_stack, tokens, list(consts), *args,
-        dim_var_values=ctx.dim_var_values, const_lowering=ctx.const_lowering, outer_traceback=None,
-    )
-
-
 def apply_primitive(prim: Any, *args: Any, **params: Any) -> Any:
     """Evaluate a primitive eagerly by compiling it alone (JAX's default impl)."""
     from jax._src import dispatch  # private

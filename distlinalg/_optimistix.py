@@ -43,6 +43,7 @@ import lineax as lx
 import optimistix as optx
 
 from . import solvers as _solvers
+from .solvers import _arguments
 from ._mpi import resolve_comm
 from .comm.allreduce import allreduce
 from .comm.fused import tree_allreduce
@@ -136,8 +137,9 @@ def damped_step(lm_param: Any, f_info: Any, linear_solver: Any) -> tuple[Any, An
     normal = LinearOperator(_normal_matvec, data=(jac, lm_param), input_structure=jac.in_structure(),
                             layout="replicated", symmetric=True, hermitian=True, comm=resolve_comm(None))
     rhs = global_gradient(jac, f_info.residual)
-    delta, info = _solvers.cg(normal, rhs, rtol=linear_solver.rtol, atol=linear_solver.atol,
-                              maxiter=linear_solver.max_steps)
+    with _arguments.inside_library_internals():  # (inside optimistix's cached traces)
+        delta, info = _solvers.cg(normal, rhs, rtol=linear_solver.rtol, atol=linear_solver.atol,
+                                  maxiter=linear_solver.max_steps)
     return delta, optx.RESULTS.promote(_lineax().result_of(info.reason))
 
 

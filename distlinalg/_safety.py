@@ -445,16 +445,21 @@ class _Monitor:
         self.printed_local = True
         self._print_state(header)
 
-    def _print_state(self, header: str) -> None:
-        """`header`, this rank's calls in progress and its Python stacks, on stderr."""
+    def _print_state(self, header: str, *, tag_header: bool = True) -> None:
+        """`header`, this rank's calls in progress and its Python stacks, on stderr.
+
+        Every line is tagged ``[rank N]``; the header too unless `tag_header` is
+        False (the stall reports' headers begin with ``distlinalg: stalled``, as
+        documented, so ``grep '^distlinalg: stalled'`` finds them; they name
+        the rank themselves)."""
         calls = _mpi.calls_in_progress()
-        lines = [header]
-        lines += [f"  in {describe_call(c)}" for c in calls] or ["  not in a distlinalg MPI call"]
+        lines = [f"  in {describe_call(c)}" for c in calls] or ["  not in a distlinalg MPI call"]
         started = _mpi.calls_started()
         if started is not None:
             lines.append(f"  distlinalg MPI calls started by this rank: {started}")
         text = "\n".join(lines) + "\n" + python_stacks(skip=threading.get_ident())
-        _write(_prefix(text, f"[rank {self.rank}] "))
+        tag = f"[rank {self.rank}] "
+        _write((tag if tag_header else "") + header + "\n" + _prefix(text, tag))
 
     def _serve_requests(self, *, reporting: bool) -> bool:
         """Answer pending report requests; True when a lower rank is reporting (we yield)."""
@@ -475,7 +480,7 @@ class _Monitor:
                     self.stalls_answered.add(key)
                     self._print_state(
                         f"distlinalg: stalled: rank {source} has been blocked for {asker.get('seconds', '?')} s "
-                        f"in {asker.get('call', 'a call')}; state of rank {self.rank}:")
+                        f"in {asker.get('call', 'a call')}; state of rank {self.rank}:", tag_header=False)
                 self.sends.append(self.comm.Isend(self._encode(self._state()), dest=source, tag=_TAG_REPLY))
                 self.request = self.comm.Irecv(self.request_buf, source=MPI.ANY_SOURCE, tag=_TAG_REQUEST)
                 continue
@@ -522,7 +527,8 @@ class _Monitor:
         seconds = float(call["seconds"])
         self._print_state(
             f"distlinalg: stalled: {op} on rank {self.rank} of {self.size} has been blocked for {seconds:.1f} s "
-            f"({STALL_ENV}={stall:g}; the job goes on waiting, {TIMEOUT_ENV} ends it); state of rank {self.rank}:"
+            f"({STALL_ENV}={stall:g}; the job goes on waiting, {TIMEOUT_ENV} ends it); state of rank {self.rank}:",
+            tag_header=False,
         )
         states: dict[int, dict[str, Any] | None] = {self.rank: self._state()}
         if self.multiple and self.size > 1:

@@ -17,16 +17,18 @@ from distlinalg's reason (:func:`result_of`). What maps to what:
   (residuals) are sharded and whose unknowns are replicated, the form of
   optimistix's Gauss–Newton step over sharded data.
 * :class:`Ordered` runs any lineax solver (``lineax.CG``, ``lineax.GMRES``…)
-  on an operator whose matvec calls distlinalg collectives.
+  on an operator whose matvec calls distlinalg collectives, refusing sharded
+  operators (lineax's own inner products would be this rank's alone).
 * :func:`max_norm`, :func:`rms_norm`, :func:`two_norm`: optimistix norms over
   every rank's entries of sharded vectors, so every rank stops together.
 
-Why the solvers run in a "detached token scope": lineax's ``linear_solve_p``
-declares no effects, so JAX lowers its body without distlinalg's ordering
-token (``KeyError: MPIEffect``). The distlinalg calls lineax's solve makes
-(distlinalg's solvers, a :class:`DistributedOperator`'s matvec) run in
-``distlinalg.comm._core.run_detached``: a region threaded by an MPI token
-of its own. See docs/lineax.md.
+Program order: lineax's ``linear_solve_p`` declares no effects of its own, so
+JAX would lower its body without distlinalg's ordering token. Importing this
+module makes it declare the MPI effect of the solve it runs
+(``distlinalg._lineax_effects``): the program's token flows through every
+lineax solve, and the solve's collectives run in program order with every
+other collective of the program on every rank, whatever each rank's local
+shapes. See docs/lineax.md.
 
 Importing this module imports lineax and equinox (``pip install
 "distlinalg[lineax]"``); ``import distlinalg`` does not.
@@ -46,11 +48,16 @@ import lineax as lx
 from . import _compat
 from . import solvers as _solvers
 from ._mpi import resolve_comm
-from .comm._core import lowering_without_mpi_token, run_detached
+from . import _lineax_effects
+from .solvers import _arguments
+from .comm._core import lowering_without_mpi_token
 from .comm.allreduce import allreduce
 from .comm.fused import tree_allreduce
 from .operators import LinearOperator, aslinearoperator
 from .solvers import Reason
+
+# lineax's solve carries the program's MPI token (module docstring).
+_lineax_effects.install()
 
 __all__ = [
     "DistributedOperator",
@@ -137,16 +144,14 @@ class DistributedOperator(lx.AbstractLinearOperator):
         return self.operator.layout
 
     def mv(self, vector: Any) -> Any:
-        """A v; inside lineax's solve, in a detached token scope (module docstring).
+        """A v (this rank's piece of it).
 
         Raises ValueError when one of lineax's own solvers (lineax.CG, GMRES,
         Normal, …) applies a sharded operator: their inner products would be
         this rank's alone (use :class:`CG`, :class:`MINRES`, … instead).
         """
-        if lowering_without_mpi_token():
-            if self.layout == "sharded" and not _in_distlinalg_solve():
-                raise ValueError(_LINEAX_SOLVER_ON_SHARDED)
-            return run_detached(_apply, self.operator, vector)
+        if lowering_without_mpi_token() and self.layout == "sharded" and not _in_distlinalg_solve():
+            raise ValueError(_LINEAX_SOLVER_ON_SHARDED)
         return self.operator.matvec(vector)
 
     def as_matrix(self) -> jax.Array:
@@ -156,9 +161,7 @@ class DistributedOperator(lx.AbstractLinearOperator):
             raise NotImplementedError(
                 "distlinalg.lineax: as_matrix needs a replicated, complex-linear operator (a sharded "
                 "operator has no matrix on one rank); use distlinalg.lineax.CG/MINRES/GMRES/BiCGStab")
-        if lowering_without_mpi_token():
-            return run_detached(_dense, op)
-        return _dense(op)
+        return op.to_dense()
 
     def transpose(self) -> "DistributedOperator":
         """Aᵀ: distlinalg's ``.T`` (see :attr:`LinearOperator.T`)."""
@@ -191,7 +194,8 @@ def _in_distlinalg_solve() -> bool:
 def _distlinalg_solve() -> Iterator[None]:
     _solve_state.depth = getattr(_solve_state, "depth", 0) + 1
     try:
-        yield
+        with _arguments.inside_library_internals():
+            yield
     finally:
         _solve_state.depth -= 1
 
@@ -224,14 +228,6 @@ def operator(A: Any, *tags: Any) -> DistributedOperator:
       (True, True)
     """
     return DistributedOperator(A, frozenset(tags))
-
-
-def _apply(op: LinearOperator, vector: Any) -> Any:
-    return op.matvec(vector)
-
-
-def _dense(op: LinearOperator) -> jax.Array:
-    return op.to_dense()
 
 
 def _conjugate(op: DistributedOperator) -> DistributedOperator:
@@ -417,8 +413,7 @@ class _KrylovSolver(lx.AbstractLinearSolver):
                 x, info = self._solve(A, vector, x0, M)
             return x, info.reason, info.iterations, info.residual_norm
 
-        # Inside linear_solve_p: no MPI token from JAX (module docstring).
-        x, reason, iterations, residual_norm = run_detached(solve, state, vector, x0, precond)
+        x, reason, iterations, residual_norm = solve(state, vector, x0, precond)
         stats = {"num_steps": iterations, "residual_norm": residual_norm, "reason": reason}
         if self.max_steps is not None:
             stats["max_steps"] = self.max_steps
@@ -628,7 +623,7 @@ class NormalCG(lx.AbstractLinearSolver):
                                       maxiter=self.max_steps)
             return x, info.reason, info.iterations, info.residual_norm
 
-        x, reason, iterations, residual_norm = run_detached(solve, state, vector)
+        x, reason, iterations, residual_norm = solve(state, vector)
         stats = {"num_steps": iterations, "residual_norm": residual_norm, "reason": reason}
         return x, result_of(reason), stats
 
@@ -662,17 +657,16 @@ def _distributed_transpose(op: Any, input_layout: str, output_layout: str) -> Ca
 
 
 class Ordered(lx.AbstractLinearSolver):
-    """Any lineax solver, run in a detached MPI token scope: for lineax's own
+    """Any lineax solver, refused on sharded operators: for lineax's own
     solvers (``lineax.CG``, ``lineax.GMRES``, …) on an operator whose
     matvec calls distlinalg collectives but is not a
     :class:`DistributedOperator` (e.g. a ``lineax.FunctionLinearOperator``).
 
-    Without it such a solve fails to compile with ``KeyError: MPIEffect``
-    (lineax's primitive declares no effects, so JAX passes its body no MPI
-    token). With it, the solver's whole ``compute`` is one region whose
-    collectives are ordered by a token of its own (docs/lineax.md).
-    lineax's own solvers use local inner products: use them on replicated
-    operators only.
+    Since ``import distlinalg.lineax`` makes lineax's solve carry the
+    program's MPI token (docs/lineax.md), such a solve also works without
+    this wrapper; what the wrapper adds is the check that the operator is
+    not sharded: lineax's own solvers use local inner products, which would
+    be this rank's alone.
 
     Example:
       lineax's own CG on a plain lineax operator whose matvec calls a collective:
@@ -700,7 +694,7 @@ class Ordered(lx.AbstractLinearSolver):
         return self.solver.init(operator, options)
 
     def compute(self, state: Any, vector: Any, options: dict[str, Any]) -> Any:
-        return run_detached(lambda s, v, o: self.solver.compute(s, v, o), state, vector, options)
+        return self.solver.compute(state, vector, options)
 
     def transpose(self, state: Any, options: dict[str, Any]) -> Any:
         return self.solver.transpose(state, options)

@@ -89,6 +89,20 @@ def size(comm):
     return comm.Get_size()
 
 
+def uneven_partition(total, size):
+    """Blocks of sizes proportional to 1, 2 at 2 ranks (30/60 of 90) and to
+    0, 1, 2, ... from 3 ranks on (0/30/60: rank 0 holds nothing): ranks whose
+    local shapes differ compile different programs, which equal splits never
+    show (a rank with no rows is the extreme case). The last rank takes the
+    remainder."""
+    from distlinalg.operators import Partition
+
+    weights = [1] if size == 1 else ([1, 2] if size == 2 else list(range(size)))
+    sizes = [total * w // sum(weights) for w in weights]
+    sizes[-1] += total - sum(sizes)
+    return Partition.from_sizes(sizes)
+
+
 def gather_global(local, comm):
     """Stack every rank's array on a leading rank axis, on every rank (mpi4py)."""
     local = np.asarray(local)

@@ -96,12 +96,39 @@ def run_eager(program: Callable[..., Any], args: Sequence[Any], comm: Communicat
     """
     key = _enter(comm)
     try:
+        wait_for_dispatched_programs()
         outs = program(*args)
         for out in outs:  # (not jax.block_until_ready: its pytree walk costs µs here)
             out.block_until_ready()
     finally:
         _leave(key)
     return outs
+
+
+def wait_for_dispatched_programs() -> None:
+    """Block until every program with MPI calls that this thread dispatched has finished.
+
+    Compiled programs run asynchronously: ``y = jitted(x)`` returns while the
+    program's collectives are still running (or waiting for a slower rank).
+    An eager call (the effect-free twins) takes no part in the chain of MPI
+    tokens that orders programs, so without this wait it could reach MPI
+    while an earlier program's collective on the same communicator is still
+    to come on this rank, and pair up with a peer's instance of that
+    collective ("Message truncated"; issue 57: a trace-time size exchange
+    while the previous solve was still running). The last MPI program's
+    output token is ready when that program, and every one before it, has
+    ended; waiting on a ready token costs about a microsecond. A failed
+    program's token is dropped (its error reaches the caller through its
+    results), as at the next dispatch (``_compat._recover_failed_tokens_of``).
+    """
+    tokens = _compat.effect_tokens()
+    token = tokens.get(mpi_effect)
+    if token is None:
+        return
+    try:
+        token.block_until_ready()
+    except jax.errors.JaxRuntimeError:
+        tokens.pop(mpi_effect, None)
 
 
 def _enter(comm: Communicator | None) -> int | None:
@@ -469,105 +496,26 @@ def apply_collective(
 
 
 # ---------------------------------------------------------------------------
-# Detached token scopes.
+# Program order inside primitives that hide their body.
 #
-# JAX threads one token per ordered effect through a program, but only
-# through equations that declare the effect. A primitive that hides what it
-# runs (lineax's linear_solve_p: an equinox primitive whose abstract eval
-# declares no effects and whose lowering re-traces its impl) lowers that
-# code with no MPIEffect token, and JAX fails with ``KeyError: MPIEffect``
-# (so does ``jax.debug.print(ordered=True)``). `run_detached` runs a
-# function as one equation that declares every effect of its body except
-# MPIEffect and lowers the body with an MPI token of its own: a fresh token
-# threaded through every distlinalg call of the body, so they run in program
-# order exactly as in any other program. What is given up is the link to
-# the enclosing program's token, which the enclosing primitive had dropped
-# already: the region is ordered with the rest of the program by data
-# dependencies (its inputs and outputs). See docs/lineax.md.
-detached_p = Primitive("distlinalg_detached")
-detached_p.multiple_results = True
-
-
-def run_detached(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` with its MPI calls ordered by a token of the region's own.
-
-    For code that JAX lowers without an MPI token (inside lineax's
-    ``linear_solve``); elsewhere prefer a plain call, which keeps the region
-    in the program's token order. Not differentiable (differentiate around
-    it); vmap works. Eagerly (no trace active) it is ``fn(*args)``.
-    """
-    if _compat.at_top_level():
-        return fn(*args)
-    leaves, in_tree = jax.tree_util.tree_flatten(args)
-    # Array leaves become operands; anything else in the arguments (a
-    # lineax operator's closure-converted jaxpr, Python numbers) is static.
-    dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
-    out_tree_box: list[Any] = []
-
-    def flat_fn(*flat: Any) -> list[Any]:
-        full = list(leaves)
-        for i, x in zip(dynamic, flat):
-            full[i] = x
-        out = fn(*jax.tree_util.tree_unflatten(in_tree, full))
-        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        out_tree_box.append(out_tree)
-        return out_leaves
-
-    flat_args = [leaves[i] for i in dynamic]
-    closed = jax.make_jaxpr(flat_fn)(*flat_args)
-    # Values the body closes over (arrays, or tracers of an enclosing trace)
-    # become operands, so the equation's parameters hold no arrays.
-    consts = list(closed.consts)
-    outs = detached_p.bind(*consts, *flat_args, jaxpr=closed.jaxpr, num_consts=len(consts))
-    return jax.tree_util.tree_unflatten(out_tree_box[0], outs)
-
-
-def _detached_abstract_eval(*avals: Any, jaxpr: Any, num_consts: int) -> Any:
-    effects = {e for e in jaxpr.effects if not isinstance(e, MPIEffect)}
-    return [v.aval for v in jaxpr.outvars], effects
-
-
-def _detached_lowering(ctx: Any, *args: Any, jaxpr: Any, num_consts: int) -> Any:
-    tokens = _compat.new_token_set(ctx.tokens_in, mpi_effect, _compat.fresh_token())
-    outs, tokens_out = _compat.lower_jaxpr_inline(ctx, jaxpr, tokens, args[:num_consts], args[num_consts:])
-    if len(ctx.tokens_in):
-        ctx.set_tokens_out(_compat.token_set_without(tokens_out, mpi_effect))
-    return outs
-
-
-def _detached_batching(args: Any, dims: Any, *, jaxpr: Any, num_consts: int) -> Any:
-    def body(*values: Any) -> Any:
-        return jax.core.eval_jaxpr(jaxpr, values[:num_consts], *values[num_consts:])
-
-    in_axes = tuple(None if d is _compat.not_mapped else d for d in dims)
-    return run_detached(jax.vmap(body, in_axes=in_axes, out_axes=0), *args), [0] * len(jaxpr.outvars)
-
-
-def _detached_not_differentiable(*args: Any, **params: Any) -> Any:
-    raise NotImplementedError(
-        "distlinalg: a detached MPI region (run_detached, used inside lineax's linear_solve) is not "
-        "differentiated; differentiate the solve (lineax's rules), not its inside"
-    )
-
-
-detached_p.def_effectful_abstract_eval(_detached_abstract_eval)
-detached_p.def_impl(functools.partial(_compat.apply_primitive, detached_p))
-mlir.register_lowering(detached_p, _detached_lowering)
-batching.primitive_batchers[detached_p] = _detached_batching
-ad.primitive_jvps[detached_p] = _detached_not_differentiable
-ad.primitive_transposes[detached_p] = _detached_not_differentiable
-
-
+# JAX threads one token per ordered effect through the equations that declare
+# it. A primitive that runs user code but declares no effects (lineax's
+# linear_solve_p, which lowers by re-tracing its impl) would hand that code no
+# MPI token. distlinalg does not give such code a token of its own: a region
+# with its own token is not ordered with the program's other collectives,
+# and ranks whose shapes differ then run them in different orders (issue 57).
+# Instead the hiding primitive is made to declare the MPI effect of its body
+# (distlinalg/_lineax_effects.py for lineax), so the program's token flows
+# through it. A primitive nobody taught this fails to lower (JAX's
+# ``KeyError: MPIEffect``) on every rank alike: an error, never a race.
 def lowering_without_mpi_token() -> bool:
-    """Whether code traced now is being lowered by JAX without an MPI token
-    (inside ``mlir.lower_fun`` of a primitive, e.g. lineax's linear_solve):
-    distlinalg calls made now must go through :func:`run_detached`."""
+    """Whether code traced now is being traced by a lowering rule (``mlir.lower_fun``,
+    e.g. inside lineax's ``linear_solve``) rather than by jit/eval_shape."""
     return _compat.lowering_trace()
 
 
 __all__ = [
     "MPIEffect",
-    "run_detached",
     "lowering_without_mpi_token",
     "mpi_effect",
     "new_primitive",

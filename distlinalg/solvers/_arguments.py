@@ -11,14 +11,17 @@ that cannot be checked before the program runs are flagged in-graph
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _compat
 from .._mpi import Communicator, resolve_comm
 from ..comm.allgather import allgather
 from .._trees import join_complex, split_complex
@@ -105,6 +108,7 @@ def solver_operator(A: Any, layout: str, comm: Communicator, like: Any, what: st
                 f"distlinalg: the operator's layout is {A.layout!r} but the solve was asked "
                 f"for layout={layout!r}; pass layout={A.layout!r}"
             )
+        _check_square(A, what)
         return A
     if callable(A):
         return aslinearoperator(A, layout=layout, comm=comm)
@@ -129,6 +133,24 @@ def solver_operator(A: Any, layout: str, comm: Communicator, like: Any, what: st
     raise TypeError(f"linear operator must be either a function or ndarray: {A!r} "
                     f"(distlinalg: {what} may be a callable, an array, an object with __matmul__ "
                     "or a distlinalg operator)")
+
+
+def _check_square(A: LinearOperator, what: str) -> None:
+    """A solve needs A x in the layout of x: on every rank, this rank's output
+    block has the shapes of its input block. A sharded operator whose rows do
+    not split as its columns (rows of an (M, N) matrix with M != N, or another
+    partition) fails here on some rank, and `collectively` raises it on all."""
+    ins, outs = A.in_structure, A.out_structure
+    if ins is None or outs is None:
+        return
+    in_shapes = [leaf.shape for leaf in ins.leaves]
+    out_shapes = [leaf.shape for leaf in outs.leaves]
+    if ins.treedef != outs.treedef or in_shapes != out_shapes:
+        raise ValueError(
+            f"distlinalg: {what} is not square on this rank: it maps blocks of shapes {in_shapes} to blocks "
+            f"of shapes {out_shapes}; a solve or eigensolve needs A x laid out as x (a sharded operator's "
+            "rows split over the ranks as its columns)"
+        )
 
 
 def _fits_dense(A: Any, like: Any) -> bool:
@@ -268,6 +290,34 @@ def default_maxiter(b: Any) -> int:
 _MESSAGE_BYTES = 256
 
 
+_adapter_state = threading.local()
+
+
+@contextlib.contextmanager
+def inside_library_internals() -> Iterator[None]:
+    """Solver calls made inside lineax's and optimistix's internals (by distlinalg's
+    adapters): `collectively` checks their arguments on this rank only.
+
+    Those libraries cache their traces with ``equinox.filter_jit``, keyed by
+    each rank's own shapes. With uneven data a rank can find a trace cached
+    (its shapes equal those of an earlier call, e.g. a rank without rows)
+    while another traces afresh, and a trace-time exchange made inside would
+    then wait for a rank that never comes (issue 57: a fit of 0/30/60 rows
+    after one of 0/8/16, at 3 ranks). The arguments there are built by the
+    adapter from the user's, so a rank-dependent error is a distlinalg bug;
+    it raises on the rank that finds it (the safety net ends the job).
+    """
+    _adapter_state.depth = getattr(_adapter_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _adapter_state.depth -= 1
+
+
+def _exchanges_allowed() -> bool:
+    return getattr(_adapter_state, "depth", 0) == 0 or _compat.at_top_level()
+
+
 def collectively(build: Callable[[], Any], comm: Communicator) -> Any:
     """`build()`, with its ValueError (or TypeError) raised on every rank if it is raised on any.
 
@@ -284,7 +334,7 @@ def collectively(build: Callable[[], Any], comm: Communicator) -> Any:
         value, error = build(), None
     except (ValueError, TypeError) as raised:
         value, error = None, raised
-    if comm.size > 1:
+    if comm.size > 1 and _exchanges_allowed():
         # The first byte of a message names the exception type (V or T).
         mine = "" if error is None else ("T" if isinstance(error, TypeError) else "V") + str(error)
         messages = _exchange_messages(mine, comm)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._mpi import resolve_comm
-from ..operators import LinearOperator, linearise
+from ..operators import LinearOperator, Partition, linearise
 from . import _arguments
 from ._common import Reason, Reductions
 from ._eigen import (CONVERGED, MAX_ITERATIONS, WHICH, Found, Params, combine, grams, ordering, residuals, row,
@@ -176,33 +176,44 @@ def eigsh(
             raise ValueError("distlinalg.eigsh: ncv is the Lanczos basis size; LOBPCG's basis is 3k vectors")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"distlinalg.eigsh: k must be a positive int, got {k!r}")
+        for name, value in (("ncv", ncv), ("maxiter", maxiter)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+                raise ValueError(f"distlinalg.eigsh: {name} must be an int or None, got {value!r}")
         template = vector_template(A, v0)
-        local = _arguments.global_size(template)
-        n = local if checked_layout == "replicated" or comm.size == 1 else int(comm.comm.allreduce(local))
+        op = _arguments.solver_operator(A, checked_layout, comm, template, "A")
+        precond = None if M is None else _arguments.solver_operator(M, checked_layout, comm, template, "M")
+        return checked_layout, template, op, precond
+
+    # This rank's arguments are checked first, and any rank's error raised on
+    # every rank, before anything else communicates (`collectively`); then,
+    # with the global size n (a trace-time exchange), the checks involving n,
+    # raised on every rank the same way; then the parameters that steer the
+    # iteration are agreed on.
+    checked_layout, template, op, precond = _arguments.collectively(build, comm)
+    local = _arguments.global_size(template)
+    n = local if checked_layout == "replicated" or comm.size == 1 else Partition.of_local_sizes(local, comm).total
+
+    def sized() -> tuple[int, int]:
         if k >= n:
             raise ValueError(f"distlinalg.eigsh: k must be smaller than the operator's size {n}, got k={k}")
         basis = min(n, max(2 * k + 1, 20)) if ncv is None else int(ncv)
         if not k < basis <= n:
             raise ValueError(f"distlinalg.eigsh: ncv must satisfy k < ncv <= n = {n}, got {ncv}")
-        if maxiter is not None:
-            cycles = int(maxiter)
-        else:
-            cycles = max(100, 10 * n // basis) if method == "lanczos" else 1000
+        cycles = int(maxiter) if maxiter is not None else (max(100, 10 * n // basis) if method == "lanczos"
+                                                           else 1000)
         if cycles < 1:
             raise ValueError(f"distlinalg.eigsh: maxiter must be a positive int, got {maxiter}")
-        op = _arguments.solver_operator(A, checked_layout, comm, template, "A")
-        precond = None if M is None else _arguments.solver_operator(M, checked_layout, comm, template, "M")
-        return checked_layout, template, basis, cycles, op, precond, n
+        return basis, cycles
 
-    checked_layout, template, basis, cycles, op, precond, n = _arguments.collectively(build, comm)
+    basis, cycles = _arguments.collectively(sized, comm)
     dtype = jnp.result_type(*jax.tree_util.tree_leaves(template))
     if not jnp.issubdtype(dtype, jnp.inexact):
         dtype = jnp.result_type(float)
-    start = start_vector(template, v0, dtype, comm, checked_layout)
     eps = float(jnp.finfo(dtype).eps)
     relative = eps if tol is None or tol == 0 else float(tol)
     _agree(f"k={k} which={which} method={method} ncv={basis} maxiter={cycles} tol={relative!r} n={n} "
            f"layout={checked_layout} dtype={jnp.dtype(dtype).name}", comm)
+    start = start_vector(template, v0, dtype, comm, checked_layout)
     # Linearised once, here (a model operator's model is evaluated once per eigensolve).
     matvec, consts = jax.closure_convert(linearise(op).matvec, start)
     preconditioner, precond_consts = ((None, []) if precond is None

@@ -3,7 +3,9 @@ across ranks, against numpy on the gathered data: replicated and sharded
 operators, gradients in both modes, the non-symmetric replicated operator
 whose matvec communicates (its transpose, lineax's Normal), lineax's own
 solvers on communicating matvecs (the former KeyError: MPIEffect), the
-RESULTS mapping, and an optimistix Gauss–Newton fit over sharded data."""
+RESULTS mapping, optimistix fits over sharded data, and program order: a
+solve beside an independent collective on ranks with different local
+shapes (30/60 rows, and a rank with none)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import distlinalg.lineax as dlx  # noqa: E402
 from distlinalg import operators as ops  # noqa: E402
 from distlinalg.comm import allreduce  # noqa: E402
 from distlinalg.solvers import Reason  # noqa: E402
+from conftest import uneven_partition  # noqa: E402
 
 
 def concat_blocks(local, comm):
@@ -364,7 +367,7 @@ def _exponential_fit_data(size, rank):
     rng = np.random.default_rng(10)
     t_all = np.linspace(0.0, 1.0, FIT_POINTS)
     y_all = 2.0 * np.exp(-1.3 * t_all) + 0.5 + 0.01 * rng.standard_normal(FIT_POINTS)
-    part = ops.Partition.even(FIT_POINTS, size)
+    part = uneven_partition(FIT_POINTS, size)  # 8/16 at 2 ranks, 0/8/16 at 3
     return t_all, y_all, jnp.asarray(block(t_all, part, rank)), jnp.asarray(block(y_all, part, rank)), part
 
 
@@ -480,3 +483,89 @@ def test_minres_shift_under_differentiation(comm, rank, size):
     expected = jax.grad(lambda s: jnp.sum(jnp.linalg.solve(M - s * jnp.eye(4), b)))(0.5)
     np.testing.assert_allclose(float(jax.jit(jax.grad(through_operator))(0.5)), float(expected), rtol=1e-8)
     np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [size])
+
+
+# ---------------------------------------------------------------------------
+# Program order with uneven local shapes (issue 57)
+def _rows_and_data(size, rank, total=90, columns=4, seed=3):
+    """A (total, columns) least-squares problem, split 30/60 at 2 ranks and 0/30/60 at 3."""
+    rng = np.random.default_rng(seed)
+    J_all, b_all = rng.standard_normal((total, columns)), rng.standard_normal(total)
+    part = uneven_partition(total, size)
+    return J_all, b_all, jnp.asarray(block(J_all, part, rank)), jnp.asarray(block(b_all, part, rank))
+
+
+def test_solve_beside_an_independent_collective_uneven(comm, rank, size):
+    """The mechanism of issue 57 in one program: a lineax solve (NormalCG) and a
+    norm that does not depend on it. Each rank compiles its own schedule for its
+    own shapes, and XLA was free to run the two in different orders on different
+    ranks (a mismatch on the first run, MPI's 'Message truncated' after it). Now
+    the solve carries the program's MPI token: run five times (the first-run check
+    is then off), plain, and vmapped over right-hand sides."""
+    J_all, b_all, J, b = _rows_and_data(size, rank)
+
+    @jax.jit
+    def solve_and_norm(J, b):
+        op = lx.MatrixLinearOperator(J)
+        x = lx.linear_solve(op, b, dlx.NormalCG(rtol=1e-12, atol=0.0)).value
+        return x, dlx.max_norm(b), dlx.two_norm(2.0 * b)
+
+    expected_x = np.linalg.lstsq(J_all, b_all, rcond=None)[0]
+    for shift in range(5):
+        x, largest, norm = solve_and_norm(J, b + shift)
+        np.testing.assert_allclose(np.asarray(x), np.linalg.lstsq(J_all, b_all + shift, rcond=None)[0],
+                                   rtol=1e-8, atol=1e-10)
+        np.testing.assert_allclose(float(largest), np.max(np.abs(b_all + shift)), rtol=1e-14)
+        np.testing.assert_allclose(float(norm), 2.0 * np.linalg.norm(b_all + shift), rtol=1e-12)
+    xs, largest, _ = jax.jit(jax.vmap(solve_and_norm, in_axes=(None, 0)))(J, jnp.stack([b, 2.0 * b]))
+    np.testing.assert_allclose(np.asarray(xs), np.stack([expected_x, 2.0 * expected_x]), rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(np.asarray(largest), [np.max(np.abs(b_all)), 2 * np.max(np.abs(b_all))], rtol=1e-14)
+
+
+def test_lineax_solver_on_communicating_matvec_beside_a_collective_uneven(comm, rank, size):
+    """lineax's own CG on a replicated operator whose matvec allreduces (no wrapper
+    needed now), beside an independent allreduce of a sharded vector of uneven
+    length, in one jitted program."""
+    _, b_all, _, b_local = _rows_and_data(size, rank)
+    S = spd(4, 11)
+    op = lx.FunctionLinearOperator(communicating(S, comm).matvec, jax.ShapeDtypeStruct((4,), jnp.float64),
+                                   lx.positive_semidefinite_tag)
+    rhs = jnp.arange(1.0, 5.0)
+
+    @jax.jit
+    def f(rhs, b_local):
+        return lx.linear_solve(op, rhs, solver=lx.CG(rtol=1e-12, atol=1e-12)).value, allreduce(jnp.sum(b_local),
+                                                                                               comm=comm)
+
+    for _ in range(3):
+        x, total = f(rhs, b_local)
+        np.testing.assert_allclose(np.asarray(x), np.linalg.solve(S, np.arange(1.0, 5.0)), rtol=1e-9)
+        np.testing.assert_allclose(float(total), np.sum(b_all), rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", LEAST_SQUARES_KINDS)
+def test_optimistix_least_squares_uneven(comm, rank, size, kind):
+    """Every optimistix solver of the recipe on residuals split 1:2 (8/16; 0/8/16 at 3
+    ranks: a rank without data): its Newton or damped step (a solve) and its
+    termination norm (an allreduce) do not depend on each other inside a step
+    (issue 57: Dogleg and IndirectLevenbergMarquardt aborted). The fit equals the
+    one of the gathered data, identically on every rank, run twice (the second
+    time without the first-run check). At 3 ranks this runs after the fits of
+    test_optimistix_least_squares_over_sharded_residuals on other data: the rank
+    without rows finds optimistix's traces cached (its shapes did not change) where
+    the others trace afresh, and no trace-time exchange may wait for it."""
+    t_all, y_all, t, y, _ = _exponential_fit_data(size, rank)
+    theta0 = jnp.array([1.0, -0.5, 0.0])
+    fit = jax.jit(lambda y: optx.least_squares(_exponential_residuals, _least_squares_solver(kind), theta0,
+                                               args=(t, y), max_steps=100).value)
+    reference = optx.least_squares(_exponential_residuals,
+                                   optx.LevenbergMarquardt(rtol=1e-12, atol=1e-12, linear_solver=lx.QR()), theta0,
+                                   args=(jnp.asarray(t_all), jnp.asarray(y_all)), max_steps=100).value
+    for shift in (0.0, 0.25):
+        value = fit(y + shift)
+        expected = optx.least_squares(_exponential_residuals,
+                                      optx.LevenbergMarquardt(rtol=1e-12, atol=1e-12, linear_solver=lx.QR()),
+                                      theta0, args=(jnp.asarray(t_all), jnp.asarray(y_all) + shift),
+                                      max_steps=100).value if shift else reference
+        np.testing.assert_allclose(np.asarray(value), np.asarray(expected), rtol=1e-7)
+        assert all(np.array_equal(other, np.asarray(value)) for other in comm.allgather(np.asarray(value)))

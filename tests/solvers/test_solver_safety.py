@@ -418,3 +418,64 @@ def test_true_residual_check_in_the_replicated_layout_and_history(comm, rank, si
     assert np.linalg.norm(np.asarray(b) - d_all * np.asarray(x)) <= 1e-13 * np.linalg.norm(np.asarray(b))
     assert float(info.history[k]) == float(info.residual_norm)
     assert comm.allgather(k) == [k] * size
+
+
+# ---------------------------------------------------------------------------
+# Issue 57: shape checks agreed before the first message, and trace-time
+# exchanges ordered after the programs a rank dispatched.
+def test_non_square_sharded_operator_raises_on_every_rank(comm, rank, size):
+    """Rows of an 8-column matrix that add up to 7: on some rank the operator maps
+    a block of x to a block of another length. eigsh and cg raise on every rank
+    (the rank whose block differs names it; the others name that rank) before any
+    message; eigsh used to leave the other ranks in its first allgather."""
+    from conftest import uneven_partition
+
+    A = spd(3, 8)
+    rows = uneven_partition(7, size)
+    mine = jnp.asarray(A[rows.starts[rank]:rows.starts[rank + 1]])
+    op = ops.dense_rows(mine, comm=comm)
+    differs = op.input_structure.shape != op.output_structure.shape
+    pattern = "is not square on this rank" if differs else "invalid solver arguments"
+    b = jnp.ones(op.input_structure.shape)
+    for name, call in {"eigsh": lambda: dl.eigsh(op, k=1),
+                       "cg": lambda: cg(op, b),
+                       "jitted cg": lambda: jax.jit(lambda b: cg(op, b)[0])(b)}.items():
+        failure = failure_of(call, pattern)
+        assert_no_failures(f"{name}: {failure}" if failure else "", comm)
+    # The same rows, square, solve on every rank.
+    square = ops.dense_rows(jnp.asarray(A[:7, :7][rows.starts[rank]:rows.starts[rank + 1]]), comm=comm)
+    w, _, info = dl.eigsh(square, k=1, which="LA")
+    assert bool(info.converged)
+    np.testing.assert_allclose(float(w[0]), np.linalg.eigvalsh(A[:7, :7])[-1], rtol=1e-8)
+
+
+@pytest.mark.timeout(120)
+def test_trace_time_exchange_waits_for_the_programs_this_rank_dispatched(comm, rank, size):
+    """Rank 0 is late to a solve (it sleeps before dispatching it) while the other
+    ranks, whose solve is dispatched and waiting inside its first collective for
+    rank 0, go on at once to trace a second solve: its trace-time exchanges (the
+    operator's block sizes, the argument checks) are eager collectives on the same
+    communicator. Each rank's exchange waits for the programs it dispatched, so it
+    never runs beside, or pairs with, a collective of the first solve (issue 57:
+    'Message truncated'; without the wait the second thread on the communicator
+    is refused)."""
+    import time
+
+    from conftest import uneven_partition
+
+    n = 6
+    first = ops.laplacian_2d(n, row_partition=uneven_partition(n, size), comm=comm)
+    b1 = jnp.ones(first.input_structure.shape)
+    solve1 = jax.jit(lambda b: cg(first, b, rtol=1e-10)[0])
+    solve1(b1).block_until_ready()  # compiled; every rank's next call runs the program alone
+    if rank == 0:
+        time.sleep(1.0)
+    x1 = solve1(2.0 * b1)  # dispatched: asynchronous, still running when the next line starts
+    second = ops.laplacian_2d(n + 1, row_partition=uneven_partition(n + 1, size), comm=comm)
+    x2, info = jax.jit(lambda b: cg(second, b, rtol=1e-10))(jnp.ones(second.input_structure.shape))
+    assert bool(info.converged)
+    for x, op in ((x1, first), (x2, second)):
+        residual = np.asarray(op.matvec(jnp.asarray(x))) - np.asarray(
+            (2.0 if op is first else 1.0) * jnp.ones(op.input_structure.shape))
+        total = float(allreduce(jnp.sum(jnp.asarray(residual) ** 2), comm=comm))
+        assert total < 1e-12
