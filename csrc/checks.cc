@@ -229,6 +229,7 @@ constexpr auto kProbeEvery = std::chrono::seconds(2);
 constexpr auto kReplyWait = std::chrono::seconds(1);
 
 std::string ProbeOtherRanks(const Signature& mine, int64_t comm_id, int peer);
+bool PoisonedPastGrace(int64_t comm_id, std::chrono::steady_clock::time_point now);
 
 int WaitChecking(int n, MPI_Request* requests, const Signature& mine,
                  int64_t comm_id, int peer, std::string* mismatch) {
@@ -241,6 +242,13 @@ int WaitChecking(int n, MPI_Request* requests, const Signature& mine,
     if (spin < 2000) continue;  // the usual case: done within microseconds
     std::this_thread::sleep_for(std::chrono::microseconds(200));
     const auto now = std::chrono::steady_clock::now();
+    if (PoisonedPastGrace(comm_id, now)) {
+      *mismatch = "distlinalg: the cross-rank check before " + std::string(mine.op()) +
+                  " was cancelled: two threads used this communicator at once (on this rank or "
+                  "another), which refuses every later call on it. Give each thread its own "
+                  "communicator (comm.Dup()).";
+      return MPI_SUCCESS;
+    }
     if (now < next_probe) continue;
     *mismatch = ProbeOtherRanks(mine, comm_id, peer);
     if (!mismatch->empty()) return MPI_SUCCESS;
@@ -381,11 +389,131 @@ std::unordered_map<int64_t, bool>& Misused() {
   static std::unordered_map<int64_t, bool> misused;
   return misused;
 }
+
+// Poisoned communicators (checks.h, WaitOrCancel): by check id, agreed
+// across ranks (CheckComm), so that another rank's notice names the same
+// communicator; by handle for one that has no check state yet (this rank
+// only). `from` is the world rank that found the two threads.
+struct Poison {
+  int from = -1;
+  std::chrono::steady_clock::time_point known;
+};
+std::mutex& PoisonMutex() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_map<int64_t, Poison>& PoisonedIds() {
+  static std::unordered_map<int64_t, Poison> ids;
+  return ids;
+}
+std::unordered_map<int64_t, Poison>& PoisonedHandles() {
+  static std::unordered_map<int64_t, Poison> handles;
+  return handles;
+}
+std::atomic<int> poisoned_count{0};  // the waits' fast test: nothing poisoned
+
+int WorldRank() {
+  int rank = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+// Returns whether the id was new.
+bool PoisonId(int64_t id, int from) {
+  std::lock_guard<std::mutex> lock(PoisonMutex());
+  if (PoisonedIds().count(id) != 0) return false;
+  PoisonedIds()[id] = Poison{from, std::chrono::steady_clock::now()};
+  ++poisoned_count;
+  return true;
+}
+
+void NotifyPeers(int64_t id);  // through the responder (below)
+
+// This rank found two threads on `comm`: poison it here and tell every rank.
+void PoisonHere(MPI_Comm comm) {
+  const CheckState* state = FindCheckState(comm);
+  if (state == nullptr) {
+    std::lock_guard<std::mutex> lock(PoisonMutex());
+    auto& handles = PoisonedHandles();
+    if (handles.count(HandleFromComm(comm)) == 0) {
+      handles[HandleFromComm(comm)] = Poison{WorldRank(), std::chrono::steady_clock::now()};
+      ++poisoned_count;
+    }
+    return;
+  }
+  if (PoisonId(state->id, WorldRank())) NotifyPeers(state->id);
+}
+
+bool PoisonOf(MPI_Comm comm, Poison* out) {
+  if (poisoned_count.load(std::memory_order_relaxed) == 0) return false;
+  const CheckState* state = FindCheckState(comm);
+  std::lock_guard<std::mutex> lock(PoisonMutex());
+  if (state != nullptr) {
+    auto it = PoisonedIds().find(state->id);
+    if (it != PoisonedIds().end()) {
+      *out = it->second;
+      return true;
+    }
+  }
+  auto it = PoisonedHandles().find(HandleFromComm(comm));
+  if (it == PoisonedHandles().end()) return false;
+  *out = it->second;
+  return true;
+}
+
+bool PoisonedPastGrace(int64_t comm_id, std::chrono::steady_clock::time_point now) {
+  if (poisoned_count.load(std::memory_order_relaxed) == 0 || comm_id < 0) return false;
+  std::lock_guard<std::mutex> lock(PoisonMutex());
+  auto it = PoisonedIds().find(comm_id);
+  return it != PoisonedIds().end() && now - it->second.known >= kCancelGrace;
+}
+
+std::string PoisonedMessage(const char* op, MPI_Comm comm, const Poison& p) {
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  Text msg;
+  msg << "distlinalg: " << op << " on rank " << rank
+      << ": two threads used this communicator at once";
+  if (p.from == WorldRank()) {
+    msg << " on this rank";
+  } else {
+    msg << " on rank " << p.from << " of MPI_COMM_WORLD";
+  }
+  msg << ", which refuses every later call on it, so this call cannot complete (cancelled). "
+         "Give each thread its own communicator (comm.Dup()).";
+  return msg.str();
+}
 }  // namespace
 
 void MarkMisused(int64_t comm) {
-  std::lock_guard<std::mutex> lock(ActiveMutex());
-  Misused()[comm] = true;
+  {
+    std::lock_guard<std::mutex> lock(ActiveMutex());
+    Misused()[comm] = true;
+  }
+  PoisonHere(CommFromHandle(comm));
+}
+
+ffi::Error CancelIfPoisoned(const char* op, MPI_Comm comm) {
+  Poison p;
+  if (!PoisonOf(comm, &p)) return ffi::Error::Success();
+  if (std::chrono::steady_clock::now() - p.known < kCancelGrace) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, PoisonedMessage(op, comm, p));
+}
+
+ffi::Error WaitOrCancel(const char* op, MPI_Comm comm, int n, MPI_Request* requests,
+                        MPI_Status* statuses, int* rc) {
+  for (uint64_t spin = 1;; ++spin) {
+    int done = 0;
+    *rc = n == 1 ? MPI_Test(requests, &done, statuses ? statuses : MPI_STATUS_IGNORE)
+                 : MPI_Testall(n, requests, &done, statuses ? statuses : MPI_STATUSES_IGNORE);
+    if (*rc != MPI_SUCCESS || done) return ffi::Error::Success();
+    // Polled as MPI's own blocking progress does, yielding now and then (ranks
+    // may share cores); the poison test is one relaxed load while none is known.
+    if ((spin & 255) != 0) continue;
+    std::this_thread::yield();
+    if (poisoned_count.load(std::memory_order_relaxed) == 0) continue;
+    if (auto e = CancelIfPoisoned(op, comm); e.failure()) return e;
+  }
 }
 
 CallRecord::CallRecord(const char* op, MPI_Comm comm, ffi::DataType dtype,
@@ -411,6 +539,12 @@ CallRecord::CallRecord(const char* op, MPI_Comm comm, ffi::DataType dtype,
     }
     Active().emplace(call_.seq, call_);
   }
+  if (other_ != nullptr) {
+    PoisonHere(comm);
+  } else if (!misused_) {
+    Poison p;
+    if (PoisonOf(comm, &p)) poisoned_ = PoisonedMessage(op, comm, p);  // told by another rank
+  }
   if (GlobalSettings().debug_log) {
     std::fprintf(stderr,
                  "distlinalg r%d | %-14s | dtype=%-9s | count=%-10lld | "
@@ -435,6 +569,7 @@ void CallRecord::Running(const Signature& sig, bool checked) {
 }
 
 ffi::Error CallRecord::Alone() const {
+  if (!poisoned_.empty()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, poisoned_);
   if (misused_) {
     return ffi::Error(
         ffi::ErrorCode::kFailedPrecondition,
@@ -574,7 +709,7 @@ ffi::Error CheckPair(const Signature& sig, MPI_Comm comm, int source, int dest,
 // The responder and the probe.
 namespace {
 
-constexpr int kQueryTag = 1, kReplyTag = 2;
+constexpr int kQueryTag = 1, kReplyTag = 2, kPoisonTag = 3;
 // Reply: [probe id, phase, comm id, checked, seq, calls started, elapsed ms,
 // peer, signature words...]
 enum Reply : int {
@@ -620,9 +755,19 @@ void Serve() {
   int64_t query = 0;
   MPI_Request request;
   MPI_Irecv(&query, 1, MPI_INT64_T, MPI_ANY_SOURCE, kQueryTag, r.comm, &request);
+  // Another rank found two threads on a communicator (its check id).
+  int64_t poisoned_id = 0;
+  MPI_Request poison;
+  MPI_Irecv(&poisoned_id, 1, MPI_INT64_T, MPI_ANY_SOURCE, kPoisonTag, r.comm, &poison);
   while (!r.stop.load()) {
     int done = 0;
     MPI_Status status;
+    MPI_Test(&poison, &done, &status);
+    if (done) {
+      PoisonId(poisoned_id, status.MPI_SOURCE);
+      MPI_Irecv(&poisoned_id, 1, MPI_INT64_T, MPI_ANY_SOURCE, kPoisonTag, r.comm, &poison);
+    }
+    done = 0;
     MPI_Test(&request, &done, &status);
     if (!done) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -635,6 +780,8 @@ void Serve() {
   }
   MPI_Cancel(&request);
   MPI_Wait(&request, MPI_STATUS_IGNORE);
+  MPI_Cancel(&poison);
+  MPI_Wait(&poison, MPI_STATUS_IGNORE);
 }
 
 bool IsPointToPoint(int64_t opcode) {
@@ -757,6 +904,31 @@ std::string ProbeOtherRanks(const Signature& mine, int64_t comm_id, int peer) {
   return msg.str();
 }
 
+}  // namespace
+
+namespace {
+// Tells every other rank (their responders) that `id` is poisoned. The
+// messages and requests are kept for the life of the process (rare, tiny).
+void NotifyPeers(int64_t id) {
+  Responder& r = TheResponder();
+  if (!r.running.load()) return;
+  int size = 0, me = 0;
+  MPI_Comm_size(r.comm, &size);
+  MPI_Comm_rank(r.comm, &me);
+  static std::mutex m;
+  static std::vector<int64_t*> messages;
+  static std::vector<MPI_Request> sends;
+  std::lock_guard<std::mutex> lock(m);
+  auto* message = new int64_t(id);
+  messages.push_back(message);
+  for (int q = 0; q < size; ++q) {
+    if (q == me) continue;
+    MPI_Request request;
+    if (MPI_Isend(message, 1, MPI_INT64_T, q, kPoisonTag, r.comm, &request) == MPI_SUCCESS) {
+      sends.push_back(request);
+    }
+  }
+}
 }  // namespace
 
 int StartResponder(MPI_Comm world) {

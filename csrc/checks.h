@@ -121,6 +121,7 @@ class CallRecord {
   ActiveCall call_;
   const char* other_ = nullptr;  // the other thread's call, if any
   bool misused_ = false;         // two threads used this communicator before
+  std::string poisoned_;         // ... on another rank, which told this one
 };
 
 // The signature check of a handler, if this site and run need one
@@ -162,6 +163,28 @@ std::vector<ActiveCall> CurrentCalls();
 // running cannot go on pairing their messages with other ranks' wrong ones.
 void MarkMisused(int64_t comm);
 int64_t CallsStarted();
+
+// Waits cancellably (issue 57). A rank that finds two threads on one
+// communicator refuses every later call on it; a call of another rank on
+// that communicator then waits for a partner that never comes. So the
+// finding travels: the rank tells every rank through the responder (below),
+// and the handlers' waits poll instead of blocking in MPI. A wait on a
+// communicator poisoned so (here or on another rank) that is still
+// incomplete kCancelGrace after the poison became known returns an error:
+// by then every rank has stopped starting calls on it, so the operation can
+// never complete, and MPI will not write to its buffers afterwards.
+constexpr auto kCancelGrace = std::chrono::seconds(1);
+
+// Waits for `n` requests started on `comm` (MPI_Test/Testall until done).
+// `*rc` is MPI's return code of the test that completed them (MPI_SUCCESS
+// or the error of a completed request, as the blocking call would return).
+// The error: the wait was cancelled (the requests are left pending).
+// `statuses` may be null.
+ffi::Error WaitOrCancel(const char* op, MPI_Comm comm, int n, MPI_Request* requests,
+                        MPI_Status* statuses, int* rc);
+// The same error as a cancelled wait, or success: for loops that poll
+// themselves (a matched probe, the signature checks).
+ffi::Error CancelIfPoisoned(const char* op, MPI_Comm comm);
 
 // The service that answers other ranks' "what are you doing?" queries
 // (a thread with a pending receive on a private duplicate of `world`). A

@@ -333,8 +333,17 @@ ffi::Error Complete(PendingRequest& pending, ffi::DataType dtype, int64_t count,
   if (cancel) {
     for (MPI_Request& r : pending.requests) DL_MPI_CHECK(pending.op, MPI_Cancel(&r));
   }
-  DL_MPI_CHECK(pending.op, MPI_Waitall(static_cast<int>(pending.requests.size()),
-                                       pending.requests.data(), statuses.data()));
+  int rc = MPI_SUCCESS;
+  ffi::Error waited = WaitOrCancel(pending.op, pending.comm, static_cast<int>(pending.requests.size()),
+                                   pending.requests.data(), statuses.data(), &rc);
+  if (waited.failure()) {
+    // Cancelled (checks.h): the operation never completes; its buffers stay
+    // allocated for the life of the process rather than under a pending request.
+    pending.send.release();
+    pending.recv.release();
+    return waited;
+  }
+  DL_MPI_CHECK(pending.op, rc);
   if (cancel) {
     for (MPI_Status& status : statuses) {
       int cancelled = 0;

@@ -148,12 +148,66 @@ ffi::Error TakeEarly(MPI_Comm comm, int source, int tag, void* y,
   return ffi::Error::Success();
 }
 
+// Blocking point-to-point calls, made of nonblocking ones and a cancellable
+// wait (checks.h, WaitOrCancel): a rank left waiting by another rank's
+// refusal (two threads on one communicator) returns with the error. A
+// cancelled receive is cancelled in MPI too, so that no later message
+// lands in a buffer XLA has taken back.
+ffi::Error SendCancellable(const char* op, const void* data, const BlockType& block, int dest,
+                           int tag, MPI_Comm comm) {
+  MPI_Request request;
+  DL_MPI_CHECK(op, MPI_Isend(data, block.count(), block.type(), dest, tag, comm, &request));
+  int rc = MPI_SUCCESS;
+  DL_CHECK(WaitOrCancel(op, comm, 1, &request, nullptr, &rc));
+  DL_MPI_CHECK(op, rc);
+  return ffi::Error::Success();
+}
+
+// Waits for a posted receive; `*rc` and `*status` as MPI_Recv's.
+ffi::Error AwaitReceive(const char* op, MPI_Comm comm, MPI_Request* request, MPI_Status* status,
+                        int* rc) {
+  ffi::Error waited = WaitOrCancel(op, comm, 1, request, status, rc);
+  if (waited.failure()) {
+    MPI_Cancel(request);
+    MPI_Wait(request, MPI_STATUS_IGNORE);
+  }
+  return waited;
+}
+
+// MPI_Sendrecv, cancellably: `*rc` and `*status` are the receive's.
+ffi::Error SendrecvCancellable(const char* op, const void* send, const BlockType& sblock, int dest,
+                               int sendtag, void* recv, const BlockType& rblock, int source,
+                               int recvtag, MPI_Comm comm, MPI_Status* status, int* rc) {
+  MPI_Request requests[2];
+  DL_MPI_CHECK(op, MPI_Irecv(recv, rblock.count(), rblock.type(), source, recvtag, comm,
+                             &requests[0]));
+  *rc = MPI_Isend(send, sblock.count(), sblock.type(), dest, sendtag, comm, &requests[1]);
+  if (*rc != MPI_SUCCESS) {
+    MPI_Cancel(&requests[0]);
+    MPI_Wait(&requests[0], MPI_STATUS_IGNORE);
+    return MpiError(op, *rc);
+  }
+  DL_CHECK(AwaitReceive(op, comm, &requests[0], status, rc));
+  int sent = MPI_SUCCESS;
+  DL_CHECK(WaitOrCancel(op, comm, 1, &requests[1], nullptr, &sent));
+  DL_MPI_CHECK(op, sent);
+  return ffi::Error::Success();
+}
+
 // A matched probe for the receive (source may be MPI_ANY_SOURCE) with
-// MPI_ANY_TAG that skips, and keeps, derivative messages.
+// MPI_ANY_TAG that skips, and keeps, derivative messages. Polls (MPI_Improbe),
+// so that a poisoned communicator cancels it (checks.h).
 ffi::Error ProbeUserMessage(MPI_Comm comm, int source, MPI_Message* message,
                             MPI_Status* status) {
   for (;;) {
-    DL_MPI_CHECK("recv", MPI_Mprobe(source, MPI_ANY_TAG, comm, message, status));
+    for (uint64_t spin = 1;; ++spin) {
+      int found = 0;
+      DL_MPI_CHECK("recv", MPI_Improbe(source, MPI_ANY_TAG, comm, &found, message, status));
+      if (found) break;
+      if ((spin & 255) != 0) continue;
+      std::this_thread::yield();
+      DL_CHECK(CancelIfPoisoned("recv", comm));
+    }
     if (status->MPI_TAG < kUserTagLimit) return ffi::Error::Success();
     MPI_Count bytes = 0;
     DL_MPI_CHECK("recv", MPI_Get_elements_x(status, MPI_BYTE, &bytes));
@@ -185,9 +239,7 @@ ffi::Error SendImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   BackByHugePages(x);
   BlockType block;
   DL_MPI_CHECK("send", block.Init(n, ti.type));
-  DL_MPI_CHECK("send", MPI_Send(x.untyped_data(), block.count(), block.type(),
-                                dest, tag, comm));
-  return ffi::Error::Success();
+  return SendCancellable("send", x.untyped_data(), block, dest, tag, comm);
 }
 
 ffi::Error RecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::Result<ffi::Token>,
@@ -214,7 +266,11 @@ ffi::Error RecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::Result<ffi::Token>,
   BlockType block;
   DL_MPI_CHECK("recv", block.Init(n, ti.type));
   MPI_Status status;
-  const int rc = MPI_Recv(y->untyped_data(), block.count(), block.type(), source, tag, comm, &status);
+  MPI_Request request;
+  DL_MPI_CHECK("recv", MPI_Irecv(y->untyped_data(), block.count(), block.type(), source, tag, comm,
+                                 &request));
+  int rc = MPI_SUCCESS;
+  DL_CHECK(AwaitReceive("recv", comm, &request, &status, &rc));
   DL_CHECK(CheckMessageFills("recv", rc, status, source, tag, block, ti, y->element_type(), n, 0));
   return KeepTemplateBeyondMessage("recv", status, block, ti, templ, y);
 }
@@ -252,15 +308,11 @@ ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
   size_t got = 0;
   DL_CHECK(TakeEarly(comm, source, recvtag, y->untyped_data(), recvbuf.untyped_data(),
                      y->size_bytes(), &early, &got));
-  if (early) {
-    DL_MPI_CHECK("sendrecv", MPI_Send(sendbuf.untyped_data(), sblock.count(),
-                                      sblock.type(), dest, sendtag, comm));
-    return ffi::Error::Success();
-  }
+  if (early) return SendCancellable("sendrecv", sendbuf.untyped_data(), sblock, dest, sendtag, comm);
   MPI_Status status;
-  const int rc = MPI_Sendrecv(sendbuf.untyped_data(), sblock.count(), sblock.type(), dest, sendtag,
-                              y->untyped_data(), rblock.count(), rblock.type(), source, recvtag,
-                              comm, &status);
+  int rc = MPI_SUCCESS;
+  DL_CHECK(SendrecvCancellable("sendrecv", sendbuf.untyped_data(), sblock, dest, sendtag,
+                               y->untyped_data(), rblock, source, recvtag, comm, &status, &rc));
   DL_CHECK(CheckMessageFills("sendrecv", rc, status, source, recvtag, rblock, rt,
                              recvbuf.element_type(), nr, may_lack));
   return KeepTemplateBeyondMessage("sendrecv", status, rblock, rt, recvbuf, y);
@@ -426,8 +478,7 @@ ffi::Error SendrecvStatusImpl(ffi::Token, ffi::AnyBuffer sendbuf,
   DL_CHECK(TakeEarly(comm, source, recvtag, y->untyped_data(), recvbuf.untyped_data(),
                      y->size_bytes(), &early, &got));
   if (early) {
-    DL_MPI_CHECK("sendrecv", MPI_Send(sendbuf.untyped_data(), sblock.count(),
-                                      sblock.type(), dest, sendtag, comm));
+    DL_CHECK(SendCancellable("sendrecv", sendbuf.untyped_data(), sblock, dest, sendtag, comm));
     report[0] = source;
     report[1] = recvtag;
     items = static_cast<MPI_Count>(got / rt.itemsize);
@@ -448,11 +499,12 @@ ffi::Error SendrecvStatusImpl(ffi::Token, ffi::AnyBuffer sendbuf,
         return probed;
       }
       rc = MPI_Mrecv(y->untyped_data(), rblock.count(), rblock.type(), &message, &status);
-      DL_MPI_CHECK("sendrecv", MPI_Wait(&send, MPI_STATUS_IGNORE));
+      int sent = MPI_SUCCESS;
+      DL_CHECK(WaitOrCancel("sendrecv", comm, 1, &send, nullptr, &sent));
+      DL_MPI_CHECK("sendrecv", sent);
     } else {
-      rc = MPI_Sendrecv(sendbuf.untyped_data(), sblock.count(), sblock.type(), dest, sendtag,
-                        y->untyped_data(), rblock.count(), rblock.type(), source, recvtag, comm,
-                        &status);
+      DL_CHECK(SendrecvCancellable("sendrecv", sendbuf.untyped_data(), sblock, dest, sendtag,
+                                   y->untyped_data(), rblock, source, recvtag, comm, &status, &rc));
     }
     DL_CHECK(CheckMessageFills("sendrecv", rc, status, source, recvtag, rblock, rt, dtype, nr,
                                may_lack));

@@ -235,9 +235,44 @@ def test_two_threads_on_one_communicator_raise_instead_of_mixing_messages(job, m
     code = j.wait(60)
     out = j.output
     assert code != 0, out
-    assert "another thread is inside a call" in out and "comm.Dup()" in out, out
+    # The rank that finished first ends the job: one that saw the overlap itself, or one whose
+    # wait the refusal of another rank cancelled.
+    assert ("another thread is inside a call" in out or "two threads used this communicator at once" in out) \
+        and "comm.Dup()" in out, out
     wrong = [int(n) for n in re.findall(r"rank \d wrong (\d+)", out)]
     assert wrong and max(wrong) <= 2, out  # per rank, both threads
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize(("mode", "ranks"), [("threads-loop", 2), ("threads-loop-stagger", 2),
+                                             ("threads-loop", 3), ("threads-loop-stagger", 3)])
+def test_two_threads_on_one_communicator_every_thread_comes_back(job, mode, ranks):
+    """The probe's repro (issue 57): two threads per rank, each a jitted loop of 300 allreduces on
+    one communicator. The rank that sees the threads overlap refuses its later calls; a thread of
+    another rank used to wait for ever for partners that never came (the refusal was this
+    rank's alone). Now the refusal reaches every rank (the responder), and a wait on such a
+    communicator is cancelled: every thread on every rank comes back with the documented error
+    within seconds. 'stagger': the other ranks run their threads one after the other, so they
+    never see an overlap themselves. Run until two runs have seen the overlap (it is a race: a
+    run whose threads happened to take turns on every rank raises nothing, as documented, and
+    must still end), at most five runs."""
+    overlapped = 0
+    for _ in range(5):
+        j = job(mode, ranks, DISTLINALG_STALL="0")
+        j.wait_ready()
+        j.wait(60)  # (its status: the first rank to leave ends the job, the others may be killed)
+        out = j.output
+        reports = re.findall(r"rank (\d) alive (\d) errors (\d) seconds ([\d.]+)", out)
+        assert len(reports) == ranks, out
+        for _, alive, _, seconds in reports:
+            assert alive == "0" and float(seconds) < 10, out  # every thread back, within seconds
+        errors = re.findall(r"rank \d thread error: (.*)", out)
+        assert all(("two threads used this communicator at once" in e or "another thread is inside a call" in e)
+                   and "comm.Dup()" in e for e in errors), out
+        overlapped += bool(errors)
+        if overlapped == 2:
+            break
+    assert overlapped == 2, out
 
 
 @pytest.mark.serial

@@ -26,6 +26,7 @@ mpi4py.rc.thread_level = os.environ.get("SAFETY_THREAD_LEVEL", "multiple")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 
 import distlinalg as dl  # noqa: E402
 from distlinalg import comm as C  # noqa: E402
@@ -110,6 +111,51 @@ def two_threads_on_one_communicator(compiled: bool) -> None:
     os._exit(3 if errors else 0)
 
 
+def threads_on_one_communicator_every_rank_comes_back(stagger: bool) -> None:
+    """The probe's repro (issue 57): two threads per rank, each a loop of 300 allreduces on one
+    shared communicator (one thread's loop jitted, the other's eager). A rank that sees the threads overlap refuses its later calls; a
+    thread of another rank then waits for partners that never come, unless the refusal reaches
+    it. With `stagger`, the ranks other than 0 run their threads one after the other (they see
+    no overlap themselves). Prints, per rank, the threads still alive after 20 s and the
+    threads' errors, then ends the process (the refused operations stay pending in MPI)."""
+    import threading
+
+    shared = MPI.COMM_WORLD.Dup()
+    loop = jax.jit(lambda y: jax.lax.fori_loop(0, 300, lambda i, y: C.allreduce(y, comm=shared) / dl.size(), y))
+    loop(jnp.ones(4)).block_until_ready()
+    MPI.COMM_WORLD.Barrier()
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        try:
+            if k == 1:
+                loop(jnp.full(4, float(k))).block_until_ready()
+            else:  # the same loop run eagerly: the two threads' calls overlap for sure
+                y = jnp.full(4, float(k))
+                for _ in range(300):
+                    y = C.allreduce(y, comm=shared) / dl.size()
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(str(error).splitlines()[0])
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in (1, 2)]
+    start = time.monotonic()
+    if stagger and dl.rank() != 0:
+        for t in threads:
+            t.start()
+            t.join(20)
+    else:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+    alive = sum(t.is_alive() for t in threads)
+    for message in errors:
+        print(f"rank {dl.rank()} thread error: {message}", flush=True)
+    print(f"rank {dl.rank()} alive {alive} errors {len(errors)} seconds {time.monotonic() - start:.1f}", flush=True)
+    MPI.COMM_WORLD.Barrier()  # every rank has printed (on the world, not the refused communicator)
+    os._exit(0)
+
+
 def main(mode: str) -> None:
     C.allreduce(jnp.ones(1)).block_until_ready()  # every rank is up and talking
     run = {
@@ -122,6 +168,8 @@ def main(mode: str) -> None:
         "deadlock-jit": lambda: receive_from_each_other_first(True),
         "threads": lambda: two_threads_on_one_communicator(False),
         "threads-jit": lambda: two_threads_on_one_communicator(True),
+        "threads-loop": lambda: threads_on_one_communicator_every_rank_comes_back(False),
+        "threads-loop-stagger": lambda: threads_on_one_communicator_every_rank_comes_back(True),
         "loop": None,
         "ok": lambda: None,
     }[mode] or compile_allreduce_loop()
