@@ -30,6 +30,7 @@ def environment_report() -> str:
     build = _mpi.BUILD_INFO
     runtime = MPI.Get_library_version().strip().splitlines()
     settings = _mpi._native.settings()
+    d2d_possible, d2d_why = _cuda.device_to_device(_cuda.device_facts(_mpi._native, build))
     lines = [
         f"distlinalg:     {__version__}",
         f"python:         {sys.version.split()[0]} ({platform.platform()})",
@@ -50,6 +51,7 @@ def environment_report() -> str:
         f"GPU transport:  {_cuda.STATE.get('transport', '?')}",
         f"GPU staging:    {_cuda.STATE.get('staging_chunk', 'n/a')} per chunk (DISTLINALG_CUDA_STAGING_CHUNK)",
         f"GPU device:     {_cuda.STATE.get('device', '?')}",
+        f"device-to-device messages: {'yes' if d2d_possible else 'no'} ({d2d_why})",
         f"CPU affinity:   {_cpu.STATE.get('affinity', '?')}",
         f"BLAS threads:   {_cpu.STATE.get('blas', '?')}",
         f"XLA CPU YNN fusions: {distlinalg.YNN_FUSION}",

@@ -41,7 +41,7 @@ import importlib.util
 import os
 import re
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -162,6 +162,96 @@ def visible_gpu_count() -> int:
         return count.value
     except (OSError, AttributeError):
         return 0
+
+
+# ---------------------------------------------------------------------------
+# Device-to-device messages: possible here, and why not (``python -m distlinalg``).
+#
+# A CUDA-aware MPI moves a message between two GPUs of one node by CUDA IPC:
+# the sender exports its buffer, the receiver maps it. XLA allocates device
+# memory with the virtual memory API (``cuMemCreate``; the
+# XLA_PYTHON_CLIENT_ALLOCATOR=platform setting no longer changes that, as
+# seen on an H100 with jaxlib 0.11-0.12), and ``cuIpcGetMemHandle`` cannot
+# export such memory: MPI libraries whose CUDA IPC uses it fall back or fail
+# (issue 40). UCX from 1.22 on exports it by POSIX file descriptor
+# (``cuda_ipc`` with ``pidfd_getfd``), so Open MPI over UCX >= 1.22 can.
+UCX_EXPORTS_VMM = (1, 22)
+
+
+class DeviceFacts(NamedTuple):
+    """What decides whether device-to-device messages are possible (see `device_to_device`)."""
+
+    handlers_built: bool
+    gpus: int  # GPUs this rank uses (emulated ones count)
+    mpi_cuda_support: int  # 1 yes, 0 no, -1 the library cannot say
+    transport: str  # "cuda-aware" or "host-staged": what distlinalg chose
+    mpi_family: str  # "Open MPI", "MPICH", or the library's first word
+    ucx_version: tuple[int, int, int] | None  # the UCX loaded in this process, if any
+
+
+def device_to_device(facts: DeviceFacts) -> tuple[bool, str]:
+    """Whether MPI can move messages between GPUs of this node without host staging, and why.
+
+    A pure function of `facts` (tested with made-up facts, and with the
+    emulated CUDA handlers). Returns (possible, one line saying why).
+    """
+    if not facts.handlers_built:
+        return False, "this distlinalg build has no CUDA handlers (rebuild with DISTLINALG_CUDA=on)"
+    if facts.gpus < 1:
+        return False, "JAX uses no GPU on this rank"
+    if facts.mpi_cuda_support == 0:
+        return False, ("the MPI library reports no CUDA support (messages are staged through host memory; "
+                       "a CUDA-aware build of Open MPI with UCX >= 1.22 would be needed)")
+    if facts.mpi_cuda_support == -1:
+        return False, ("the MPI library cannot say whether it is CUDA-aware (DISTLINALG_CUDA_AWARE=1 hands it "
+                       "device pointers anyway: at your own risk)")
+    if facts.transport != "cuda-aware":
+        return False, "the MPI library is CUDA-aware, but DISTLINALG_CUDA_AWARE=0 stages through host memory"
+    if facts.mpi_family == "Open MPI" and facts.ucx_version is not None \
+            and facts.ucx_version[:2] >= UCX_EXPORTS_VMM:
+        version = ".".join(map(str, facts.ucx_version))
+        return True, (f"Open MPI over UCX {version}, whose cuda_ipc exports XLA's cuMemCreate memory by file "
+                      "descriptor")
+    found = "no UCX in this process" if facts.ucx_version is None else \
+        "UCX " + ".".join(map(str, facts.ucx_version))
+    return False, (f"XLA allocates device memory with cuMemCreate, which this MPI's CUDA IPC cannot export "
+                   f"({facts.mpi_family}, {found}; Open MPI over UCX >= 1.22 can): messages between ranks "
+                   "on one node fall back to slower paths or fail; across nodes GPUDirect RDMA may still apply")
+
+
+def _ucx_version() -> tuple[int, int, int] | None:
+    """The version of the UCX library loaded in this process (by the MPI library), if any."""
+    for name in ("libucp.so.0", "libucp.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0) | os.RTLD_LAZY)
+        except OSError:
+            continue
+        major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
+        try:
+            lib.ucp_get_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
+        except AttributeError:
+            return None
+        return major.value, minor.value, release.value
+    return None
+
+
+def device_facts(native: Any, build_info: dict[str, Any]) -> DeviceFacts:
+    """This rank's `DeviceFacts`."""
+    from mpi4py import MPI
+
+    library = MPI.Get_library_version().strip()
+    family = "Open MPI" if "Open MPI" in library else ("MPICH" if "MPICH" in library else library.split(" ")[0])
+    if emulated():
+        gpus = 1
+    else:
+        try:
+            gpus = len(jax.devices("gpu"))
+        except RuntimeError:
+            gpus = 0
+    transport = STATE.get("transport", "").split(" ")[0]
+    return DeviceFacts(handlers_built=bool(build_info["cuda"]), gpus=gpus,
+                       mpi_cuda_support=int(native.mpi_cuda_support()["supported"]), transport=transport,
+                       mpi_family=family, ucx_version=_ucx_version())
 
 
 # JAX's default: each process preallocates this fraction of its GPU's memory.

@@ -325,3 +325,46 @@ def test_large_buffers_are_staged_in_bounded_chunks(comm, rank, size, small_stag
         else:
             assert delta["to_host"] == 0 and delta["event_syncs"] == 0, name
     assert _stub_stats()["largest_pinned"] <= chunk
+
+
+# ---------------------------------------------------------------------------
+# `python -m distlinalg`: whether device-to-device messages are possible (issue 56)
+def _facts(**changes):
+    base = _cuda.DeviceFacts(handlers_built=True, gpus=1, mpi_cuda_support=1, transport="cuda-aware",
+                             mpi_family="Open MPI", ucx_version=(1, 22, 0))
+    return base._replace(**changes)
+
+
+@pytest.mark.parametrize(("changes", "possible", "why"), [
+    ({}, True, "UCX 1.22.0, whose cuda_ipc exports"),
+    ({"ucx_version": (1, 23, 1)}, True, "UCX 1.23.1"),
+    ({"ucx_version": (1, 21, 9)}, False, "cuMemCreate, which this MPI's CUDA IPC cannot export (Open MPI, UCX 1.21.9"),
+    ({"ucx_version": None}, False, "no UCX in this process"),
+    ({"mpi_family": "MPICH", "ucx_version": None}, False, "(MPICH, no UCX"),
+    ({"transport": "host-staged"}, False, "DISTLINALG_CUDA_AWARE=0"),
+    ({"mpi_cuda_support": 0}, False, "reports no CUDA support"),
+    ({"mpi_cuda_support": -1}, False, "cannot say whether it is CUDA-aware"),
+    ({"gpus": 0}, False, "no GPU"),
+    ({"handlers_built": False}, False, "no CUDA handlers"),
+])
+def test_device_to_device_decision(changes, possible, why):
+    got, reason = _cuda.device_to_device(_facts(**changes))
+    assert got is possible and why in reason, reason
+
+
+def test_environment_report_says_whether_device_to_device_messages_are_possible():
+    """Under the emulation the handlers are built and the (stand-in) GPU counts; the MPICH wheel
+    reports no CUDA support, so the answer is no, with that reason; without it, no GPU."""
+    from distlinalg.__main__ import environment_report
+
+    report = environment_report()
+    line = next(line for line in report.splitlines() if line.startswith("device-to-device messages:"))
+    facts = _cuda.device_facts(_mpi._native, _mpi.BUILD_INFO)
+    possible, why = _cuda.device_to_device(facts)
+    assert line == f"device-to-device messages: {'yes' if possible else 'no'} ({why})"
+    if EMULATED:
+        assert facts.handlers_built and facts.gpus == 1
+        if facts.mpi_cuda_support == 0:
+            assert not possible and "reports no CUDA support" in why
+    elif not jax.devices()[0].platform == "gpu":
+        assert not possible
