@@ -25,29 +25,38 @@ ffi::Error Unsupported(const char* op, ffi::DataType dtype) {
                         " does not support dtype " + DtypeName(dtype));
 }
 
-// Starts a nonblocking operation (`start(&request)` returns MPI's code) and
-// waits for it as the blocking call would, but cancellably (checks.h,
-// WaitOrCancel): a rank left waiting by another rank's refusal returns.
-template <typename Start>
-ffi::Error Run(const char* op, MPI_Comm comm, Start start) {
-  MPI_Request request = MPI_REQUEST_NULL;
-  int rc = start(&request);
-  if (rc != MPI_SUCCESS) return MpiError(op, rc);
-  DL_CHECK(WaitOrCancel(op, comm, 1, &request, nullptr, &rc));
+// One collective: `start(&request)` starts its nonblocking form, which is
+// then waited for as the blocking call would be, but cancellably (checks.h,
+// WaitOrCancel: a rank left waiting by another rank's refusal returns); or,
+// with cancellable collectives off (Settings), `blocking()` is MPI's blocking
+// call. Both return MPI's code.
+template <typename Blocking, typename Start>
+ffi::Error Run(const char* op, MPI_Comm comm, Blocking blocking, Start start) {
+  int rc = MPI_SUCCESS;
+  if (!GlobalSettings().cancellable_collectives) {
+    rc = blocking();
+  } else {
+    MPI_Request request = MPI_REQUEST_NULL;
+    rc = start(&request);
+    if (rc == MPI_SUCCESS) DL_CHECK(WaitOrCancel(op, comm, 1, &request, nullptr, &rc));
+  }
   if (rc != MPI_SUCCESS) return MpiError(op, rc);
   return ffi::Error::Success();
 }
 
-// `Run` over chunks of at most the per-call cap: `start(offset, count,
-// &request)`. The reductions cannot use a derived datatype with the
-// predefined MPI ops.
-template <typename Start>
-ffi::Error RunChunks(const char* op, MPI_Comm comm, int64_t n, Start start) {
+// `Run` over chunks of at most the per-call cap: `blocking(offset, count)`,
+// `start(offset, count, &request)`. The reductions cannot use a derived
+// datatype with the predefined MPI ops.
+template <typename Blocking, typename Start>
+ffi::Error RunChunks(const char* op, MPI_Comm comm, int64_t n, Blocking blocking, Start start) {
   const int64_t cap = GlobalSettings().max_count;
-  if (n == 0) return Run(op, comm, [&](MPI_Request* r) { return start(int64_t{0}, 0, r); });
+  auto chunk = [&](int64_t offset, int count) {
+    return Run(op, comm, [&] { return blocking(offset, count); },
+               [&](MPI_Request* r) { return start(offset, count, r); });
+  };
+  if (n == 0) return chunk(0, 0);
   for (int64_t offset = 0; offset < n; offset += cap) {
-    const int count = static_cast<int>(std::min<int64_t>(cap, n - offset));
-    DL_CHECK(Run(op, comm, [&](MPI_Request* r) { return start(offset, count, r); }));
+    DL_CHECK(chunk(offset, static_cast<int>(std::min<int64_t>(cap, n - offset))));
   }
   return ffi::Error::Success();
 }
@@ -98,10 +107,16 @@ ffi::Error AllreduceImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   // XLA may hand the input buffer back as the output (operand aliasing,
   // e.g. a loop carry): then reduce in place.
   const bool in_place = in == out;
-  DL_CHECK(RunChunks("allreduce", comm, n, [&](int64_t off, int count, MPI_Request* r) {
-    size_t b = off * ti.itemsize;
-    return MPI_Iallreduce(in_place ? MPI_IN_PLACE : in + b, out + b, count, ti.type, mop, comm, r);
-  }));
+  DL_CHECK(RunChunks(
+      "allreduce", comm, n,
+      [&](int64_t off, int count) {
+        size_t b = off * ti.itemsize;
+        return MPI_Allreduce(in_place ? MPI_IN_PLACE : in + b, out + b, count, ti.type, mop, comm);
+      },
+      [&](int64_t off, int count, MPI_Request* r) {
+        size_t b = off * ti.itemsize;
+        return MPI_Iallreduce(in_place ? MPI_IN_PLACE : in + b, out + b, count, ti.type, mop, comm, r);
+      }));
   return ffi::Error::Success();
 }
 
@@ -121,10 +136,16 @@ ffi::Error ReduceImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   char* in = Bytes(x);
   char* out = Bytes(y);
   if (!is_root) DL_CHECK(ZeroBytes(out, n * ti.itemsize));
-  DL_CHECK(RunChunks("reduce", comm, n, [&](int64_t off, int count, MPI_Request* r) {
-    size_t b = off * ti.itemsize;
-    return MPI_Ireduce(in + b, is_root ? out + b : nullptr, count, ti.type, mop, root, comm, r);
-  }));
+  DL_CHECK(RunChunks(
+      "reduce", comm, n,
+      [&](int64_t off, int count) {
+        size_t b = off * ti.itemsize;
+        return MPI_Reduce(in + b, is_root ? out + b : nullptr, count, ti.type, mop, root, comm);
+      },
+      [&](int64_t off, int count, MPI_Request* r) {
+        size_t b = off * ti.itemsize;
+        return MPI_Ireduce(in + b, is_root ? out + b : nullptr, count, ti.type, mop, root, comm, r);
+      }));
   return ffi::Error::Success();
 }
 
@@ -143,9 +164,9 @@ ffi::Error BcastImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   }
   BlockType block;
   DL_MPI_CHECK("bcast", block.Init(n, ti.type));
-  DL_CHECK(Run("bcast", comm, [&](MPI_Request* r) {
-    return MPI_Ibcast(out, block.count(), block.type(), root, comm, r);
-  }));
+  DL_CHECK(Run(
+      "bcast", comm, [&] { return MPI_Bcast(out, block.count(), block.type(), root, comm); },
+      [&](MPI_Request* r) { return MPI_Ibcast(out, block.count(), block.type(), root, comm, r); }));
   return ffi::Error::Success();
 }
 
@@ -163,10 +184,16 @@ ffi::Error GatherImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   if (!is_root) DL_CHECK(ZeroBytes(out, y->element_count() * ti.itemsize));
   BlockType block;
   DL_MPI_CHECK("gather", block.Init(n, ti.type));
-  DL_CHECK(Run("gather", comm, [&](MPI_Request* r) {
-    return MPI_Igather(Bytes(x), block.count(), block.type(), is_root ? out : nullptr,
-                       block.count(), block.type(), root, comm, r);
-  }));
+  DL_CHECK(Run(
+      "gather", comm,
+      [&] {
+        return MPI_Gather(Bytes(x), block.count(), block.type(), is_root ? out : nullptr,
+                          block.count(), block.type(), root, comm);
+      },
+      [&](MPI_Request* r) {
+        return MPI_Igather(Bytes(x), block.count(), block.type(), is_root ? out : nullptr,
+                           block.count(), block.type(), root, comm, r);
+      }));
   return ffi::Error::Success();
 }
 
@@ -182,10 +209,16 @@ ffi::Error ScatterImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   const bool is_root = CommRank(comm) == root;
   BlockType block;
   DL_MPI_CHECK("scatter", block.Init(n, ti.type));
-  DL_CHECK(Run("scatter", comm, [&](MPI_Request* r) {
-    return MPI_Iscatter(is_root ? Bytes(x) : nullptr, block.count(), block.type(), Bytes(y),
-                        block.count(), block.type(), root, comm, r);
-  }));
+  DL_CHECK(Run(
+      "scatter", comm,
+      [&] {
+        return MPI_Scatter(is_root ? Bytes(x) : nullptr, block.count(), block.type(), Bytes(y),
+                           block.count(), block.type(), root, comm);
+      },
+      [&](MPI_Request* r) {
+        return MPI_Iscatter(is_root ? Bytes(x) : nullptr, block.count(), block.type(), Bytes(y),
+                            block.count(), block.type(), root, comm, r);
+      }));
   return ffi::Error::Success();
 }
 
@@ -199,10 +232,16 @@ ffi::Error AllgatherImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   BackByHugePages(*y);
   BlockType block;
   DL_MPI_CHECK("allgather", block.Init(n, ti.type));
-  DL_CHECK(Run("allgather", comm, [&](MPI_Request* r) {
-    return MPI_Iallgather(Bytes(x), block.count(), block.type(), Bytes(y), block.count(),
-                          block.type(), comm, r);
-  }));
+  DL_CHECK(Run(
+      "allgather", comm,
+      [&] {
+        return MPI_Allgather(Bytes(x), block.count(), block.type(), Bytes(y), block.count(),
+                             block.type(), comm);
+      },
+      [&](MPI_Request* r) {
+        return MPI_Iallgather(Bytes(x), block.count(), block.type(), Bytes(y), block.count(),
+                              block.type(), comm, r);
+      }));
   return ffi::Error::Success();
 }
 
@@ -220,10 +259,16 @@ ffi::Error ReduceScatterImpl(ffi::Token, ffi::AnyBuffer x,
   MPI_Op mop = CheckedOp(op, x.element_type());
   if (mop == MPI_OP_NULL) return BadOp("reduce_scatter", op, x.element_type());
   if (n <= GlobalSettings().max_count) {
-    DL_CHECK(Run("reduce_scatter", comm, [&](MPI_Request* r) {
-      return MPI_Ireduce_scatter_block(Bytes(x), Bytes(y), static_cast<int>(n), ti.type, mop,
-                                       comm, r);
-    }));
+    DL_CHECK(Run(
+        "reduce_scatter", comm,
+        [&] {
+          return MPI_Reduce_scatter_block(Bytes(x), Bytes(y), static_cast<int>(n), ti.type, mop,
+                                          comm);
+        },
+        [&](MPI_Request* r) {
+          return MPI_Ireduce_scatter_block(Bytes(x), Bytes(y), static_cast<int>(n), ti.type, mop,
+                                           comm, r);
+        }));
     return ffi::Error::Success();
   }
   // Blocks beyond the per-call cap: one chunked reduce per destination rank.
@@ -231,11 +276,18 @@ ffi::Error ReduceScatterImpl(ffi::Token, ffi::AnyBuffer x,
   const int rank = CommRank(comm);
   for (int r = 0; r < size; ++r) {
     char* block = Bytes(x) + static_cast<size_t>(r) * n * ti.itemsize;
-    DL_CHECK(RunChunks("reduce_scatter", comm, n, [&](int64_t off, int c, MPI_Request* req) {
-      size_t b = off * ti.itemsize;
-      return MPI_Ireduce(block + b, rank == r ? Bytes(y) + b : nullptr, c, ti.type, mop, r,
-                         comm, req);
-    }));
+    DL_CHECK(RunChunks(
+        "reduce_scatter", comm, n,
+        [&](int64_t off, int c) {
+          size_t b = off * ti.itemsize;
+          return MPI_Reduce(block + b, rank == r ? Bytes(y) + b : nullptr, c, ti.type, mop, r,
+                            comm);
+        },
+        [&](int64_t off, int c, MPI_Request* req) {
+          size_t b = off * ti.itemsize;
+          return MPI_Ireduce(block + b, rank == r ? Bytes(y) + b : nullptr, c, ti.type, mop, r,
+                             comm, req);
+        }));
   }
   return ffi::Error::Success();
 }
@@ -255,10 +307,16 @@ ffi::Error AlltoallImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   BackByHugePages(*y);
   BlockType block;
   DL_MPI_CHECK("alltoall", block.Init(n, ti.type));
-  DL_CHECK(Run("alltoall", comm, [&](MPI_Request* r) {
-    return MPI_Ialltoall(Bytes(x), block.count(), block.type(), Bytes(y), block.count(),
-                         block.type(), comm, r);
-  }));
+  DL_CHECK(Run(
+      "alltoall", comm,
+      [&] {
+        return MPI_Alltoall(Bytes(x), block.count(), block.type(), Bytes(y), block.count(),
+                            block.type(), comm);
+      },
+      [&](MPI_Request* r) {
+        return MPI_Ialltoall(Bytes(x), block.count(), block.type(), Bytes(y), block.count(),
+                             block.type(), comm, r);
+      }));
   return ffi::Error::Success();
 }
 
@@ -279,12 +337,18 @@ ffi::Error ScanImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   char* in = Bytes(x);
   char* out = Bytes(y);
   if (exclusive && CommRank(comm) == 0) DL_CHECK(ZeroBytes(out, n * ti.itemsize));
-  DL_CHECK(RunChunks(exclusive ? "exscan" : "scan", comm, n,
-                     [&](int64_t off, int count, MPI_Request* r) {
-    size_t b = off * ti.itemsize;
-    return exclusive ? MPI_Iexscan(in + b, out + b, count, ti.type, mop, comm, r)
-                     : MPI_Iscan(in + b, out + b, count, ti.type, mop, comm, r);
-  }));
+  DL_CHECK(RunChunks(
+      exclusive ? "exscan" : "scan", comm, n,
+      [&](int64_t off, int count) {
+        size_t b = off * ti.itemsize;
+        return exclusive ? MPI_Exscan(in + b, out + b, count, ti.type, mop, comm)
+                         : MPI_Scan(in + b, out + b, count, ti.type, mop, comm);
+      },
+      [&](int64_t off, int count, MPI_Request* r) {
+        size_t b = off * ti.itemsize;
+        return exclusive ? MPI_Iexscan(in + b, out + b, count, ti.type, mop, comm, r)
+                         : MPI_Iscan(in + b, out + b, count, ti.type, mop, comm, r);
+      }));
   return ffi::Error::Success();
 }
 
@@ -296,7 +360,8 @@ ffi::Error BarrierImpl(ffi::Token, ffi::Result<ffi::Token>,
   MPI_Comm comm = CommFromHandle(comm_handle);
   CallRecord record("barrier", comm, ffi::DataType::TOKEN, 0);
   DL_CHECKED_CALL(record, Signature("barrier"), CheckCollective(dl_sig_, comm));
-  DL_CHECK(Run("barrier", comm, [&](MPI_Request* r) { return MPI_Ibarrier(comm, r); }));
+  DL_CHECK(Run("barrier", comm, [&] { return MPI_Barrier(comm); },
+               [&](MPI_Request* r) { return MPI_Ibarrier(comm, r); }));
   return ffi::Error::Success();
 }
 

@@ -170,9 +170,14 @@ NB_MODULE(_native, m) {
       nb::arg("max_count"),
       "Set the handlers' switches (see distlinalg._mpi.configure). check_mode: "
       "0 off, 1 first run of each call site (default), 2 every call.");
+  m.def(
+      "set_cancellable_collectives",
+      [](bool on) { dl::GlobalSettings().cancellable_collectives = on; }, nb::arg("on"),
+      "Collectives as nonblocking MPI calls polled cancellably (True), or MPI's blocking calls.");
   m.def("settings", [] {
     const auto& s = dl::GlobalSettings();
     nb::dict d;
+    d["cancellable_collectives"] = s.cancellable_collectives;
     d["debug_log"] = s.debug_log;
     d["check_mode"] = s.check_mode;
     d["check_signatures"] = s.check_mode == 2;

@@ -55,6 +55,8 @@ def environment_report() -> str:
         f"CPU affinity:   {_cpu.STATE.get('affinity', '?')}",
         f"BLAS threads:   {_cpu.STATE.get('blas', '?')}",
         f"XLA CPU YNN fusions: {distlinalg.YNN_FUSION}",
+        f"cancellable waits (DISTLINALG_CANCELLABLE_WAITS): point-to-point yes; collectives "
+        f"{'yes' if settings['cancellable_collectives'] else 'no (MPI blocking calls)'}",
         f"debug log (DISTLINALG_DEBUG): {settings['debug_log']}; "
         f"cross-rank check (DISTLINALG_CHECK): {_mpi.check_mode()}",
     ]

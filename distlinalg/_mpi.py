@@ -283,6 +283,29 @@ _native.configure(
     max_count=_check_max_count(os.environ.get("DISTLINALG_MAX_COUNT", _INT_MAX), "DISTLINALG_MAX_COUNT"),
 )
 
+def _cancellable_collectives(choice: str, library: str) -> bool:
+    """DISTLINALG_CANCELLABLE_WAITS: whether collectives wait cancellably (csrc/checks.h).
+
+    ``auto`` (default): yes, except under Open MPI, whose nonblocking collectives
+    cost 1.8-2.6x its blocking ones (benchmarks/README.md, "Cancellable waits");
+    there a wait on a communicator that two threads misused on another rank is
+    named by the stall report instead of cancelled. ``1``/``0`` force it.
+    Point-to-point messages always wait cancellably (no cost: MPI's blocking
+    sends and receives are its nonblocking ones waited for)."""
+    choice = (choice or "auto").strip().lower()
+    if choice in ("1", "on", "yes", "true"):
+        return True
+    if choice in ("0", "off", "no", "false"):
+        return False
+    if choice != "auto":
+        raise ValueError(f"DISTLINALG_CANCELLABLE_WAITS must be auto, 1 or 0, not {choice!r}")
+    return "Open MPI" not in library
+
+
+CANCELLABLE_COLLECTIVES = _cancellable_collectives(os.environ.get("DISTLINALG_CANCELLABLE_WAITS", "auto"),
+                                                   MPI.Get_library_version())
+_native.set_cancellable_collectives(CANCELLABLE_COLLECTIVES)
+
 for _name, _capsule in _native.registrations(_cuda.cpu_variant(BUILD_INFO)).items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 _cuda.register_handlers(_native, BUILD_INFO)

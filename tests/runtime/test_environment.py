@@ -118,3 +118,25 @@ def test_harness_reports_a_deadlocked_test_and_its_rank(tmp_path):
     text = out.stdout + out.stderr
     assert "FAILED" in text and "test_only_rank_zero_communicates" in text, text
     assert "Timeout" in text, text
+
+
+@pytest.mark.parametrize(("choice", "library", "expected"), [
+    ("auto", "MPICH Version:      5.0.2", True),
+    ("auto", "Open MPI v5.0.8, package: Open MPI", False),
+    ("", "MPICH Version:      5.0.2", True),
+    ("1", "Open MPI v5.0.8", True),
+    ("0", "MPICH Version:      5.0.2", False),
+])
+def test_cancellable_waits_setting(choice, library, expected):
+    """DISTLINALG_CANCELLABLE_WAITS (issue 57): collectives wait cancellably except under Open
+    MPI by default (its nonblocking collectives are 1.8-2.6x slower); 1/0 force it."""
+    from distlinalg import _mpi
+
+    assert _mpi._cancellable_collectives(choice, library) is expected
+
+
+def test_cancellable_waits_setting_rejects_other_values():
+    from distlinalg import _mpi
+
+    with pytest.raises(ValueError, match="DISTLINALG_CANCELLABLE_WAITS must be auto, 1 or 0"):
+        _mpi._cancellable_collectives("sometimes", "MPICH")
