@@ -570,3 +570,16 @@ def test_optimistix_least_squares_uneven(comm, rank, size, kind):
                                       max_steps=100).value if shift else reference
         np.testing.assert_allclose(np.asarray(value), np.asarray(expected), rtol=1e-7)
         assert all(np.array_equal(other, np.asarray(value)) for other in comm.allgather(np.asarray(value)))
+
+
+@pytest.mark.max_ranks(1)  # no communication
+def test_lineax_patch_is_installed_and_warns_outside_the_checked_versions(monkeypatch):
+    """The patch of lineax's linear_solve_p (distlinalg/_lineax_effects.py) is in force after
+    `import distlinalg.lineax`, and names the package, its version and the patch when the
+    installed version is not the one it was checked on."""
+    from distlinalg import _lineax_effects
+
+    assert _lineax_effects.installed()
+    monkeypatch.setitem(_lineax_effects.CHECKED_ON, "lineax", "0.0.0")
+    with pytest.warns(RuntimeWarning, match=r"lineax \S+ was not checked .* linear_solve_p .* lineax 0\.0\.0"):
+        _lineax_effects._warn_outside_checked_versions()
