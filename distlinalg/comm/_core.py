@@ -111,15 +111,18 @@ def wait_for_dispatched_programs() -> None:
     Compiled programs run asynchronously: ``y = jitted(x)`` returns while the
     program's collectives are still running (or waiting for a slower rank).
     An eager call (the effect-free twins) takes no part in the chain of MPI
-    tokens that orders programs, so without this wait it could reach MPI
-    while an earlier program's collective on the same communicator is still
-    to come on this rank, and pair up with a peer's instance of that
-    collective ("Message truncated"; issue 57: a trace-time size exchange
-    while the previous solve was still running). The last MPI program's
-    output token is ready when that program, and every one before it, has
-    ended; waiting on a ready token costs about a microsecond. A failed
-    program's token is dropped (its error reaches the caller through its
-    results), as at the next dispatch (``_compat._recover_failed_tokens_of``).
+    tokens that orders programs. PJRT's CPU client ran the twins after the
+    programs dispatched before them in every run here, but nothing in JAX
+    promises that across programs with and without effects (nor across GPU
+    streams); an eager call that reached MPI while an earlier program's
+    collective on the same communicator was still to come on this rank would
+    pair up with a peer's instance of that collective ("Message truncated";
+    issue 57: a trace-time exchange while the previous solve still ran). So
+    the order is made explicit: the last MPI program's output token is ready
+    when that program, and every one before it, has ended; waiting on a
+    ready token costs about half a microsecond (benchmarks/README.md). A
+    failed program's token is dropped (its error reaches the caller through
+    its results), as at the next dispatch (``_compat._recover_failed_tokens_of``).
     """
     tokens = _compat.effect_tokens()
     token = tokens.get(mpi_effect)
