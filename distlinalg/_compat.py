@@ -175,16 +175,8 @@ def _wait_for_programs_without_results(effect_type: type) -> None:
         out = original(self, *args)
         ours = [eff for eff in (getattr(self, "ordered_effects", None) or ()) if isinstance(eff, effects)]
         if ours and not any(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(out)):
-            tokens = _dispatch.runtime_tokens.current_tokens
             for eff in ours:
-                token = tokens.get(eff)
-                if token is None:
-                    continue
-                try:
-                    token.block_until_ready()
-                except jax.errors.JaxRuntimeError:
-                    tokens.pop(eff, None)
-                    raise
+                wait_for_effect_token(eff)
         return out
 
     __call__._distlinalg_original = original  # type: ignore[attr-defined]
@@ -195,6 +187,24 @@ def _wait_for_programs_without_results(effect_type: type) -> None:
 def effect_tokens() -> dict[Any, Any]:
     """This thread's ordered-effect tokens between programs (JAX's dispatch state)."""
     return _dispatch.runtime_tokens.current_tokens
+
+
+def wait_for_effect_token(effect: Any) -> None:
+    """Block until the last program of this thread with `effect` has ended.
+
+    Its output token is ready then (and every earlier one's before it). A
+    failed program's token is dropped, so that the next dispatch starts a
+    fresh chain, and its error raised here.
+    """
+    tokens = _dispatch.runtime_tokens.current_tokens
+    token = tokens.get(effect)
+    if token is None:
+        return
+    try:
+        token.block_until_ready()
+    except jax.errors.JaxRuntimeError:
+        tokens.pop(effect, None)
+        raise
 
 
 def token(buffer: Any) -> Any:

@@ -124,14 +124,10 @@ def wait_for_dispatched_programs() -> None:
     failed program's token is dropped (its error reaches the caller through
     its results), as at the next dispatch (``_compat._recover_failed_tokens_of``).
     """
-    tokens = _compat.effect_tokens()
-    token = tokens.get(mpi_effect)
-    if token is None:
-        return
     try:
-        token.block_until_ready()
+        _compat.wait_for_effect_token(mpi_effect)
     except jax.errors.JaxRuntimeError:
-        tokens.pop(mpi_effect, None)
+        pass  # (that program's results carry its error to whoever reads them)
 
 
 def _enter(comm: Communicator | None) -> int | None:

@@ -29,7 +29,6 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from distlinalg import comm as dlcomm  # noqa: E402
-from distlinalg import operators as ops  # noqa: E402
 from distlinalg.solvers import cg  # noqa: E402
 
 try:
