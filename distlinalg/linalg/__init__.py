@@ -29,7 +29,9 @@ reason code identical on every rank; called eagerly, every rank raises
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,11 +56,13 @@ class Reason:
     names = {0: "success", 1: "not positive definite", 2: "singular", 3: "not converged", 4: "engine error"}
 
 
-class LinalgInfo(NamedTuple):
-    """What ``return_info=True`` returns beside the result."""
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["reason"], meta_fields=["engine"])
+@dataclasses.dataclass(frozen=True)
+class LinalgInfo:
+    """What ``return_info=True`` returns beside the result (a pytree: jit can return it)."""
 
     reason: Any  # int32 scalar, a Reason code, identical on every rank
-    engine: str  # "scalapack", "distlinalg" or "lapack" (one rank)
+    engine: str  # "scalapack", "distlinalg" or "lapack" (one rank); static
 
 
 def engine_status() -> tuple[bool, str]:
@@ -139,11 +143,32 @@ def cholesky_solve(A_rows: Any, b: Any, *, comm: Any = None, engine: str = "auto
     status = _engines.scalapack_status()[0] if engine != "distlinalg" else False
     split, A, b, chosen = _arguments.check(what, A_rows, b, comm=comm, engine=engine, block_size=block_size,
                                            scalapack_loaded=status)
-    x, reason, used = _hermitian_solve(A, b, split, chosen, block_size)
-    return _finish(what, x, reason, used, return_info)
+    x, reason = _compute(_hermitian_solve, (A, b), split=split, engine=chosen, block_size=block_size)
+    return _finish(what, x, reason, _engine_used(split, chosen), return_info)
 
 
-def _hermitian_solve(A: jax.Array, b: jax.Array, split: RowSplit, engine: str, block_size: Any):
+def _engine_used(split: RowSplit, engine: str) -> str:
+    return "lapack" if split.size == 1 else engine
+
+
+def _compute(core: Any, arrays: tuple, **static: Any) -> Any:
+    """core(*arrays, **static); called eagerly, as one compiled program (cached by the
+    agreed split and the options: every rank hits or misses the cache together, and the
+    core makes no trace-time exchange, the arguments having been agreed before)."""
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(arrays)):
+        return core(*arrays, **static)
+    return _compiled(core)(*arrays, **static)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(core: Any) -> Any:
+    import inspect
+
+    static = [name for name in inspect.signature(core).parameters if name not in ("A", "b")]
+    return jax.jit(core, static_argnames=static)
+
+
+def _hermitian_solve(A: jax.Array, b: jax.Array, *, split: RowSplit, engine: str, block_size: Any):
     fixed = jax.lax.stop_gradient(A)
     if split.size == 1:
         factor = jax.scipy.linalg.cho_factor(fixed, lower=False)
@@ -152,7 +177,6 @@ def _hermitian_solve(A: jax.Array, b: jax.Array, split: RowSplit, engine: str, b
         def apply_inverse(r, transpose=False):
             return jax.scipy.linalg.cho_solve(factor, r)
 
-        used = "lapack"
     elif engine == "scalapack":
         from . import _scalapack
 
@@ -162,7 +186,6 @@ def _hermitian_solve(A: jax.Array, b: jax.Array, split: RowSplit, engine: str, b
             return _scalapack.potrf_solve(fixed, r, sizes, split.comm, block=block)[0]
 
         failed = None  # from the solution: ScaLAPACK's handler fills it with NaN on every rank
-        used = "scalapack"
     else:
         sched = _cholesky.schedule(split, _arguments.default_block(split, block_size))
         U, failed = _cholesky.factor(fixed, split, sched)
@@ -170,12 +193,11 @@ def _hermitian_solve(A: jax.Array, b: jax.Array, split: RowSplit, engine: str, b
         def apply_inverse(r, transpose=False):
             return _cholesky.solve(U, r, split, sched)
 
-        used = "distlinalg"
     x = _custom_solve(A, b, split, apply_inverse, hermitian=True)
     if failed is None:
         failed = _nan_anywhere(x, split)
     reason = jnp.where(failed, Reason.NOT_POSITIVE_DEFINITE, Reason.SUCCESS).astype(jnp.int32)
-    return x, reason, used
+    return x, reason
 
 
 def solve(A_rows: Any, b: Any, *, assume_a: str = "gen", comm: Any = None, engine: str = "auto",
@@ -219,9 +241,15 @@ def solve(A_rows: Any, b: Any, *, assume_a: str = "gen", comm: Any = None, engin
     split, A, b, chosen = _arguments.check(what, A_rows, b, comm=comm, engine=engine, block_size=block_size,
                                            scalapack_loaded=status)
     if assume_a == "pos":
-        x, reason, used = _hermitian_solve(A, b, split, chosen, block_size)
-        return _finish(what, x, reason, used, return_info)
-    hermitian = assume_a == "her" or (assume_a == "sym" and not jnp.iscomplexobj(A))
+        x, reason = _compute(_hermitian_solve, (A, b), split=split, engine=chosen, block_size=block_size)
+    else:
+        hermitian = assume_a == "her" or (assume_a == "sym" and not jnp.iscomplexobj(A))
+        x, reason = _compute(_general_solve, (A, b), split=split, engine=chosen, block_size=block_size,
+                             hermitian=hermitian)
+    return _finish(what, x, reason, _engine_used(split, chosen), return_info)
+
+
+def _general_solve(A: jax.Array, b: jax.Array, *, split: RowSplit, engine: str, block_size: Any, hermitian: bool):
     fixed = jax.lax.stop_gradient(A)
     if split.size == 1:
         lu = jax.scipy.linalg.lu_factor(fixed)
@@ -230,25 +258,21 @@ def solve(A_rows: Any, b: Any, *, assume_a: str = "gen", comm: Any = None, engin
         def apply_inverse(r, transpose=False):
             return jax.scipy.linalg.lu_solve(lu, r, trans=1 if transpose else 0)
 
-        used = "lapack"
-    elif chosen == "scalapack":
+    elif engine == "scalapack":
         from . import _scalapack
+        from ._layout import rows_to_columns
 
         sizes = split.partition.sizes
-        transposed = None
+        transposed = []  # Aᵀ by rows (A's columns, one alltoall), formed once if reverse mode asks
 
         def apply_inverse(r, transpose=False):
-            nonlocal transposed
             if not transpose:
                 return _scalapack.gesv(fixed, r, sizes, split.comm, block=block_size)[0]
-            if transposed is None:  # Aᵀ by rows: A's columns (one alltoall)
-                from ._layout import rows_to_columns
-
-                transposed = rows_to_columns(fixed, split, split.partition).T
-            return _scalapack.gesv(transposed, r, sizes, split.comm, block=block_size)[0]
+            if not transposed:
+                transposed.append(rows_to_columns(fixed, split, split.partition).T)
+            return _scalapack.gesv(transposed[0], r, sizes, split.comm, block=block_size)[0]
 
         failed = None
-        used = "scalapack"
     else:
         factors = _lu.factor(fixed, split, _arguments.default_block(split, block_size))
         failed = factors.singular
@@ -256,12 +280,11 @@ def solve(A_rows: Any, b: Any, *, assume_a: str = "gen", comm: Any = None, engin
         def apply_inverse(r, transpose=False):
             return _lu.solve(factors, r, split, transpose=transpose)
 
-        used = "distlinalg"
     x = _custom_solve(A, b, split, apply_inverse, hermitian=hermitian)
     if failed is None:
         failed = _nan_anywhere(x, split)
     reason = jnp.where(failed, Reason.SINGULAR, Reason.SUCCESS).astype(jnp.int32)
-    return _finish(what, x, reason, used, return_info)
+    return x, reason
 
 
 def eigh(A_rows: Any, *, comm: Any = None, engine: str = "auto", block_size: int | None = None,
@@ -298,13 +321,15 @@ def eigh(A_rows: Any, *, comm: Any = None, engine: str = "auto", block_size: int
     status = _engines.scalapack_status()[0] if engine != "distlinalg" else False
     split, A, _, chosen = _arguments.check(what, A_rows, comm=comm, engine=engine, block_size=block_size,
                                            scalapack_loaded=status)
+    w, V, reason = _compute(_eigh_core, (A,), split=split, engine=chosen, block_size=block_size)
+    return _finish(what, (w, V), reason, _engine_used(split, chosen), return_info)
+
+
+def _eigh_core(A: jax.Array, *, split: RowSplit, engine: str, block_size: Any):
     if split.size == 1:
         w, V = jnp.linalg.eigh(A)
-        reason = jnp.where(jnp.any(jnp.isnan(w)), Reason.FAILED, Reason.SUCCESS).astype(jnp.int32)
-        return _finish(what, (w, V), reason, "lapack", return_info)
-    H = hermitian_part(A, split)
-    w, V, reason = _eigh.eigh(H, split, chosen, block_size)
-    return _finish(what, (w, V), reason, chosen, return_info)
+        return w, V, jnp.where(jnp.any(jnp.isnan(w)), Reason.FAILED, Reason.SUCCESS).astype(jnp.int32)
+    return _eigh.eigh(hermitian_part(A, split), split, engine, block_size)
 
 
 def pinv_smooth(A_rows: Any, b: Any, *, rtol: float = 1e-14, rtol_smooth: float = 1e-14, comm: Any = None,

@@ -93,9 +93,12 @@ def eigh_tangents(w: jax.Array, V: jax.Array, dH: jax.Array, split: RowSplit) ->
     Vh_rows = jnp.conj(rows_to_columns(V, split, split.partition)).T  # rows of Vᴴ: V's columns, conjugated
     C = ring_matmul(Vh_rows, dHV, split)  # this rank's rows of Vᴴ dH V
     local = jnp.arange(split.n_local)
-    dw = split.gather(jnp.real(C[local, mine.start + local]))
     gaps = w[None, :] - w[mine][:, None]
-    own = jnp.zeros_like(gaps).at[local, mine.start + local].set(1.0)
+    own = jnp.zeros_like(gaps).at[local, mine.start + local].set(1.0)  # this rank's diagonal entries
+    # The diagonal by a masked sum, not by indexing: on a rank without rows an empty index
+    # makes a constant, so its share of dw would be "known" there and tangent elsewhere, and
+    # reverse mode would post dw's allgather at different places on different ranks.
+    dw = split.gather(jnp.sum(jnp.real(C) * own, axis=1))
     F = (1.0 / (gaps + own) - own).astype(V.dtype)
     dV = ring_matmul(V, F * C, split)
     return dw.astype(w.dtype), dV
