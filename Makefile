@@ -7,6 +7,7 @@
 #   make demo    the main job
 #   make netket  NetKet into .venv (pyproject's [netket] extra; test and demo need it)
 #   make lineax  lineax and optimistix into .venv (pyproject's [lineax] extra; test needs it)
+#   make scalapack  Intel MKL (ScaLAPACK) into .venv (pyproject's [scalapack] extra; test needs it)
 #   make test-mpi4jax   mpi4jax 0.9.1's own test suite against distlinalg.mpi4jax
 #   make test-scale     the collective, solver and operator suites at 4 and 8 ranks
 #   make docs    the documentation (Sphinx, pyproject's [docs] extra) into build/docs/html,
@@ -38,7 +39,7 @@ endif
 BUILD_DEPS := "scikit-build-core>=0.10" "cmake>=3.18" "nanobind>=2.0" "jax>=0.5.0" numpy
 TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib "hypothesis>=6"
 
-.PHONY: setup netket lineax docs test test-scale test-mpi4jax test-cuda-emulation test-cuda-compile test-cpu-only-build demo clean bench
+.PHONY: setup netket lineax scalapack docs test test-scale test-mpi4jax test-cuda-emulation test-cuda-compile test-cpu-only-build demo clean bench
 
 setup: $(STAMP)
 
@@ -60,9 +61,11 @@ endif
 #   [netket]  distlinalg.netket, tests/adapters/test_netket_mpi.py, examples/netket_sr (NetKet 3.23 runs
 #             on jax 0.10)
 #   [lineax]  distlinalg.lineax, tests/adapters/test_lineax.py (lineax and optimistix)
+#   [scalapack]  MKL for distlinalg.linalg's ScaLAPACK engine, tests/linalg/test_scalapack_engine.py
 #   [docs]    make docs (Sphinx and myst-parser)
 NETKET_STAMP := $(VENV)/.netket-installed
 LINEAX_STAMP := $(VENV)/.lineax-installed
+SCALAPACK_STAMP := $(VENV)/.scalapack-installed
 DOCS_STAMP := $(VENV)/.docs-installed
 
 # $(call install_extra,NAME): pip install pyproject's [NAME] extra with jax/jaxlib pinned.
@@ -76,6 +79,7 @@ endef
 
 netket: $(NETKET_STAMP)
 lineax: $(LINEAX_STAMP)
+scalapack: $(SCALAPACK_STAMP)
 
 $(NETKET_STAMP): $(STAMP) pyproject.toml
 	$(call install_extra,netket)
@@ -83,6 +87,10 @@ $(NETKET_STAMP): $(STAMP) pyproject.toml
 
 $(LINEAX_STAMP): $(STAMP) pyproject.toml
 	$(call install_extra,lineax)
+	@touch $@
+
+$(SCALAPACK_STAMP): $(STAMP) pyproject.toml
+	$(call install_extra,scalapack)
 	@touch $@
 
 $(DOCS_STAMP): $(STAMP) pyproject.toml
@@ -103,11 +111,13 @@ docs: setup $(NETKET_STAMP) $(LINEAX_STAMP) $(DOCS_STAMP)
 	  $(BIN)/python tests/run_mpi.py --mpiexec-only -n $$n -- $(BIN)/python docs/run_doctests.py || exit 1; \
 	done
 
-# WITH_NETKET=0 / WITH_LINEAX=0: run without that extra (its tests skip), e.g. CI's second
-# MPI family.
+# WITH_NETKET=0 / WITH_LINEAX=0 / WITH_SCALAPACK=0: run without that extra (its tests skip),
+# e.g. CI's second MPI family.
 WITH_NETKET ?= 1
 WITH_LINEAX ?= 1
-test: setup $(if $(filter 1,$(WITH_NETKET)),$(NETKET_STAMP)) $(if $(filter 1,$(WITH_LINEAX)),$(LINEAX_STAMP))
+WITH_SCALAPACK ?= 1
+test: setup $(if $(filter 1,$(WITH_NETKET)),$(NETKET_STAMP)) $(if $(filter 1,$(WITH_LINEAX)),$(LINEAX_STAMP)) \
+		$(if $(filter 1,$(WITH_SCALAPACK)),$(SCALAPACK_STAMP))
 	$(BIN)/python tests/run_mpi.py --ranks $(RANKS) $(RUN_MPI_ARGS) -- $(PYTEST_ARGS)
 	$(MAKE) test-cuda-emulation
 

@@ -2,12 +2,14 @@
 // runtime switches of the handlers.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <chrono>
 
 #include "checks.h"
 
 #include "handlers.h"
+#include "scalapack.h"
 
 namespace nb = nanobind;
 namespace dl = distlinalg;
@@ -70,6 +72,10 @@ nb::dict Registrations(const std::string& variant) {
   if (variant != "cuda") {
     d["distlinalg_local_dots"] = Capsule(DlLocalDots);
     d["distlinalg_fused_update"] = Capsule(DlFusedUpdate);
+    // ScaLAPACK on host buffers (csrc/scalapack.cc); MKL is loaded at run
+    // time (scalapack_load), a call before that is an error.
+    d["distlinalg_scalapack_solve"] = Capsule(DlScalapackSolve);
+    d["distlinalg_scalapack_eigh"] = Capsule(DlScalapackEigh);
   }
   return d;
 }
@@ -100,6 +106,13 @@ NB_MODULE(_native, m) {
       "FFI target name -> handler capsule. variant: 'cpu', or in CUDA builds "
       "'cuda' (XLA's CUDA stream) and 'cuda_emulated' (the CUDA code path "
       "registered on the CPU, for tests with a stand-in driver).");
+
+  m.def(
+      "scalapack_load",
+      [](const std::vector<std::string>& paths) { return dl::scalapack::Load(paths); },
+      nb::arg("paths"),
+      "dlopen MKL's ScaLAPACK libraries `paths` in order and bind its routines: '' or why not.");
+  m.def("scalapack_loaded", &dl::scalapack::Loaded);
 
   m.def("wait_discard", &dl::WaitAndDiscard, nb::arg("key"),
         "Completes a pending non-blocking request and drops its result ('' or the error).");

@@ -108,7 +108,7 @@ def _custom_solve(A_rows: jax.Array, b: jax.Array, split: RowSplit, apply_invers
 
 
 def cholesky_solve(A_rows: Any, b: Any, *, comm: Any = None, engine: str = "auto", block_size: int | None = None,
-                   return_info: bool = False) -> Any:
+                   grid: tuple[int, int] | None = None, return_info: bool = False) -> Any:
     """Solve A x = b for Hermitian positive definite A held by rows (Cholesky).
 
     Args:
@@ -120,6 +120,9 @@ def cholesky_solve(A_rows: Any, b: Any, *, comm: Any = None, engine: str = "auto
       engine: ``"auto"``, ``"scalapack"`` or ``"distlinalg"`` (see the module).
       block_size: rows per block (the ScaLAPACK block, or the rows per elimination
         step of distlinalg's engine); default chosen from N and P.
+      grid: ScaLAPACK's process grid (rows, columns) with rows · columns = P; default the
+        squarest, 1 × 2 at two ranks (measured faster than 2 × 1). distlinalg's engine
+        has no grid (its layout is the rows) and ignores it.
       return_info: also return a :class:`LinalgInfo`.
 
     Returns:
@@ -143,8 +146,13 @@ def cholesky_solve(A_rows: Any, b: Any, *, comm: Any = None, engine: str = "auto
     status = _engines.scalapack_status()[0] if engine != "distlinalg" else False
     split, A, b, chosen = _arguments.check(what, A_rows, b, comm=comm, engine=engine, block_size=block_size,
                                            scalapack_loaded=status)
-    x, reason = _compute(_hermitian_solve, (A, b), split=split, engine=chosen, block_size=block_size)
+    x, reason = _compute(_hermitian_solve, (A, b), split=split, engine=chosen, block_size=block_size,
+                         grid=_grid(grid))
     return _finish(what, x, reason, _engine_used(split, chosen), return_info)
+
+
+def _grid(grid: Any) -> tuple[int, int] | None:
+    return None if grid is None else (int(grid[0]), int(grid[1]))
 
 
 def _engine_used(split: RowSplit, engine: str) -> str:
@@ -168,7 +176,7 @@ def _compiled(core: Any) -> Any:
     return jax.jit(core, static_argnames=static)
 
 
-def _hermitian_solve(A: jax.Array, b: jax.Array, *, split: RowSplit, engine: str, block_size: Any):
+def _hermitian_solve(A: jax.Array, b: jax.Array, *, split: RowSplit, engine: str, block_size: Any, grid: Any):
     fixed = jax.lax.stop_gradient(A)
     if split.size == 1:
         factor = jax.scipy.linalg.cho_factor(fixed, lower=False)
@@ -183,7 +191,7 @@ def _hermitian_solve(A: jax.Array, b: jax.Array, *, split: RowSplit, engine: str
         sizes, block = split.partition.sizes, block_size
 
         def apply_inverse(r, transpose=False):
-            return _scalapack.potrf_solve(fixed, r, sizes, split.comm, block=block)[0]
+            return _scalapack.potrf_solve(fixed, r, sizes, split.comm, block=block, grid=grid)[0]
 
         failed = None  # from the solution: ScaLAPACK's handler fills it with NaN on every rank
     else:
@@ -201,11 +209,11 @@ def _hermitian_solve(A: jax.Array, b: jax.Array, *, split: RowSplit, engine: str
 
 
 def solve(A_rows: Any, b: Any, *, assume_a: str = "gen", comm: Any = None, engine: str = "auto",
-          block_size: int | None = None, return_info: bool = False) -> Any:
+          block_size: int | None = None, grid: tuple[int, int] | None = None, return_info: bool = False) -> Any:
     """Solve A x = b for A held by rows, as :func:`scipy.linalg.solve`.
 
     Args:
-      A_rows, b, comm, engine, block_size, return_info: as :func:`cholesky_solve`.
+      A_rows, b, comm, engine, block_size, grid, return_info: as :func:`cholesky_solve`.
       assume_a: ``"pos"`` (Hermitian positive definite: Cholesky), ``"her"`` (Hermitian,
         indefinite allowed) or ``"gen"`` (general): LU with partial pivoting. (ScaLAPACK has
         no symmetric-indefinite factorisation, so ``"her"`` uses LU too; the solution is the
@@ -241,15 +249,17 @@ def solve(A_rows: Any, b: Any, *, assume_a: str = "gen", comm: Any = None, engin
     split, A, b, chosen = _arguments.check(what, A_rows, b, comm=comm, engine=engine, block_size=block_size,
                                            scalapack_loaded=status)
     if assume_a == "pos":
-        x, reason = _compute(_hermitian_solve, (A, b), split=split, engine=chosen, block_size=block_size)
+        x, reason = _compute(_hermitian_solve, (A, b), split=split, engine=chosen, block_size=block_size,
+                         grid=_grid(grid))
     else:
         hermitian = assume_a == "her" or (assume_a == "sym" and not jnp.iscomplexobj(A))
         x, reason = _compute(_general_solve, (A, b), split=split, engine=chosen, block_size=block_size,
-                             hermitian=hermitian)
+                             grid=_grid(grid), hermitian=hermitian)
     return _finish(what, x, reason, _engine_used(split, chosen), return_info)
 
 
-def _general_solve(A: jax.Array, b: jax.Array, *, split: RowSplit, engine: str, block_size: Any, hermitian: bool):
+def _general_solve(A: jax.Array, b: jax.Array, *, split: RowSplit, engine: str, block_size: Any, grid: Any,
+                   hermitian: bool):
     fixed = jax.lax.stop_gradient(A)
     if split.size == 1:
         lu = jax.scipy.linalg.lu_factor(fixed)
@@ -267,10 +277,10 @@ def _general_solve(A: jax.Array, b: jax.Array, *, split: RowSplit, engine: str, 
 
         def apply_inverse(r, transpose=False):
             if not transpose:
-                return _scalapack.gesv(fixed, r, sizes, split.comm, block=block_size)[0]
+                return _scalapack.gesv(fixed, r, sizes, split.comm, block=block_size, grid=grid)[0]
             if not transposed:
                 transposed.append(rows_to_columns(fixed, split, split.partition).T)
-            return _scalapack.gesv(transposed[0], r, sizes, split.comm, block=block_size)[0]
+            return _scalapack.gesv(transposed[0], r, sizes, split.comm, block=block_size, grid=grid)[0]
 
         failed = None
     else:
@@ -288,13 +298,13 @@ def _general_solve(A: jax.Array, b: jax.Array, *, split: RowSplit, engine: str, 
 
 
 def eigh(A_rows: Any, *, comm: Any = None, engine: str = "auto", block_size: int | None = None,
-         return_info: bool = False) -> Any:
+         grid: tuple[int, int] | None = None, return_info: bool = False) -> Any:
     """All eigenvalues and eigenvectors of a Hermitian matrix held by rows, as :func:`jax.numpy.linalg.eigh`.
 
     Args:
       A_rows: this rank's rows of A, ``(n_r, N)``. As in jax, the Hermitian part
         (A + Aᴴ)/2 is decomposed (one alltoall forms its rows).
-      comm, engine, block_size, return_info: as :func:`cholesky_solve`. distlinalg's
+      comm, engine, block_size, grid, return_info: as :func:`cholesky_solve`. distlinalg's
         engine is a one-sided block Jacobi method (parallel tournament of column
         blocks); ScaLAPACK's is p?syevd / p?heevd.
 
@@ -321,19 +331,21 @@ def eigh(A_rows: Any, *, comm: Any = None, engine: str = "auto", block_size: int
     status = _engines.scalapack_status()[0] if engine != "distlinalg" else False
     split, A, _, chosen = _arguments.check(what, A_rows, comm=comm, engine=engine, block_size=block_size,
                                            scalapack_loaded=status)
-    w, V, reason = _compute(_eigh_core, (A,), split=split, engine=chosen, block_size=block_size)
+    w, V, reason = _compute(_eigh_core, (A,), split=split, engine=chosen, block_size=block_size,
+                         grid=_grid(grid))
     return _finish(what, (w, V), reason, _engine_used(split, chosen), return_info)
 
 
-def _eigh_core(A: jax.Array, *, split: RowSplit, engine: str, block_size: Any):
+def _eigh_core(A: jax.Array, *, split: RowSplit, engine: str, block_size: Any, grid: Any):
     if split.size == 1:
         w, V = jnp.linalg.eigh(A)
         return w, V, jnp.where(jnp.any(jnp.isnan(w)), Reason.FAILED, Reason.SUCCESS).astype(jnp.int32)
-    return _eigh.eigh(hermitian_part(A, split), split, engine, block_size)
+    return _eigh.eigh(hermitian_part(A, split), split, engine, block_size, grid)
 
 
 def pinv_smooth(A_rows: Any, b: Any, *, rtol: float = 1e-14, rtol_smooth: float = 1e-14, comm: Any = None,
-                engine: str = "auto", block_size: int | None = None) -> tuple[Any, dict]:
+                engine: str = "auto", block_size: int | None = None,
+                grid: tuple[int, int] | None = None) -> tuple[Any, dict]:
     """NetKet's ``pinv_smooth`` on a matrix held by rows: x = V f(w) Vᴴ b.
 
     f(λ) = 1/λ for |λ/λ_max| > rtol (else 0), times 1 / (1 + (rtol_smooth / |λ/λ_max|)⁶)
@@ -344,7 +356,7 @@ def pinv_smooth(A_rows: Any, b: Any, *, rtol: float = 1e-14, rtol_smooth: float 
       A_rows: this rank's rows of a Hermitian A, ``(n_r, N)``.
       b: this rank's rows of the right-hand side, ``(n_r,)`` or ``(n_r, m)``.
       rtol, rtol_smooth: NetKet's cut-offs.
-      comm, engine, block_size: as :func:`eigh`.
+      comm, engine, block_size, grid: as :func:`eigh`.
 
     Returns:
       ``(x, info)``: x this rank's rows, shaped like b; info NetKet's dict (``eval_min``,
@@ -363,7 +375,7 @@ def pinv_smooth(A_rows: Any, b: Any, *, rtol: float = 1e-14, rtol_smooth: float 
       >>> bool(np.allclose(x, (1 / np.diag(A))[mine])), int(info["rank"])
       (True, 4)
     """
-    w, V = eigh(A_rows, comm=comm, engine=engine, block_size=block_size)
+    w, V = eigh(A_rows, comm=comm, engine=engine, block_size=block_size, grid=grid)
     comm = _arguments.resolve_comm(comm)
     b = jnp.asarray(b).astype(V.dtype)
     ratio = jnp.abs(w / w[-1])

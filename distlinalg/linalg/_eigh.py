@@ -51,11 +51,12 @@ class Config:
     split: RowSplit
     engine: str
     block_size: int | None
+    grid: tuple[int, int] | None
 
 
-def eigh(H_rows: jax.Array, split: RowSplit, engine: str, block_size: int | None):
+def eigh(H_rows: jax.Array, split: RowSplit, engine: str, block_size: int | None, grid: tuple[int, int] | None = None):
     """(w replicated ascending, this rank's rows of V, a reason code) of the Hermitian H (held by rows)."""
-    w, V, reason = _eigh(H_rows, Config(split, engine, block_size))
+    w, V, reason = _eigh(H_rows, Config(split, engine, block_size, grid))
     return w, V, jax.lax.stop_gradient(reason).astype(jnp.int32)
 
 
@@ -65,7 +66,7 @@ def _eigh(H_rows: jax.Array, config: Config):
         from . import _scalapack
 
         w, V, info = _scalapack.heevd(H_rows, config.split.partition.sizes, config.split.comm,
-                                      block=config.block_size)
+                                      block=config.block_size, grid=config.grid)
         reason = jnp.where(info == 0, _SUCCESS, _FAILED)
     else:
         w, V, converged = jacobi(H_rows, config.split)

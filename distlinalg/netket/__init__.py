@@ -62,8 +62,12 @@ every NetKet solver, ``vstate.quantum_geometric_tensor(...)``, and
 ``linear_solver``, ``chunk_size_bwd``, schedules). Their QGTs and matrices
 are formed over all ranks' samples (:mod:`._qgt`, :mod:`._vmc_sr`; the
 entry points are routed in :mod:`._paths`), and the update is identical on
-every rank. Drivers whose step cannot be global (TDVP, ``Infidelity_SR``, a
-subclass with its own ``compute_loss_and_update``) raise at construction;
+every rank. With ``use_ntk=True`` and ``linear_solver=`` :func:`cholesky_distributed`
+or :func:`pinv_smooth_distributed` (NetKet's names; the default on more than
+one rank when NetKet's default solver is left in place) the sample-space
+kernel stays split by rows through the solve (:mod:`distlinalg.linalg`).
+Drivers whose step cannot be global (TDVP, ``Infidelity_SR``, a subclass
+with its own ``compute_loss_and_update``) raise at construction;
 and the state checks after every parameter update that its parameters are
 the same on every rank (one 8-byte allreduce), raising otherwise.
 NetKet's ``jax.process_index()`` is 0 on every rank of an ``mpiexec`` job
@@ -84,8 +88,10 @@ import numpy as np
 
 from .._mpi import resolve_comm
 from ..comm import allgather, allreduce, bcast
+from ._ntk_solvers import cholesky_distributed, pinv_smooth_distributed
 
-__all__ = ["SR", "MCState", "statistics", "Statistics", "rank", "size"]
+__all__ = ["SR", "MCState", "statistics", "Statistics", "rank", "size", "cholesky_distributed",
+           "pinv_smooth_distributed"]
 
 # NetKet's blocking estimator (netket.stats, the default statistics) works with
 # this many batches/blocks; kept equal so that the numbers agree with NetKet's.

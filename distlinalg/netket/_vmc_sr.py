@@ -15,14 +15,23 @@ sees the same matrix and right-hand side):
     δ = Ōᵀ x (+ μ_m δ_old): the M × M kernel (M = N, or 2N in "complex" mode)
     is formed from the ranks' Jacobian rows passed around the ring of ranks
     (:func:`distlinalg.operators.sample_gram.ring_products`; the Jacobian is
-    never gathered), the solve runs on the replicated kernel on every rank,
-    and δ is one parameter-sized allreduce.
+    never gathered), the solve runs on the replicated kernel on every rank
+    (or on its rows, below), and δ is one parameter-sized allreduce.
 
   * ``use_ntk=True, on_the_fly=True`` (NetKet's default for the NTK):
     :func:`ntk_onthefly_update`, NetKet's lazy kernel by rows: this rank's rows
     of the NTK against every rank's samples (the samples are gathered, never a
     Jacobian), centred with one allreduce; memory per rank is what NetKet's
-    lazy contraction needs for n_r rows, plus the replicated kernel.
+    lazy contraction needs for n_r rows, plus the replicated kernel (or its rows).
+
+With a solver of :mod:`._ntk_solvers` (``dnk.cholesky_distributed``,
+``dnk.pinv_smooth_distributed``, NetKet's ``nan_fallback`` of the two, which
+replaces NetKet's default ``cholesky_with_fallback`` here), neither path gathers
+the kernel: each rank adds λ to its own diagonal entries (and proj_reg/M to all
+its entries), solves with its rows of the kernel and of dv through
+:mod:`distlinalg.linalg`, and uses its rows of x directly (on the fly, x is
+centred with its mean over all samples, one allreduce). Memory per rank is then
+O(M²/P) for the kernel.
 
 Rows are real: in "complex" mode each sample gives its (Re, Im) pair, as in
 NetKet. The update, the momentum buffer and the solver's info are identical
@@ -45,6 +54,7 @@ from jax.flatten_util import ravel_pytree
 from ..comm import allgather
 from ..operators import Partition
 from ..operators.sample_gram import ring_products
+from ._ntk_solvers import default_ntk_solver, row_solver
 from ._qgt import flat_samples, sum_over_ranks, tmap
 
 __all__ = ["compute_loss_and_update", "sr_update"]
@@ -106,15 +116,22 @@ def sr_update(apply_fun: Any, local_energies: jax.Array, params: Any, model_stat
         per_sample = 2 if mode == "complex" else 1
         counts = np.full(comm.size, n_local, np.int64)
         kernel = ring_products(O, counts, per_sample, comm)  # this rank's rows of Ō Ōᵀ
-        kernel = _gather_rows(kernel, comm) if comm.size > 1 else kernel
-        side = kernel.shape[0]
-        kernel = kernel + diag_shift * jnp.eye(side, dtype=kernel.dtype)
-        if proj_reg is not None:
-            kernel = kernel + proj_reg / side
-        everyone = allgather(dv, comm=comm).reshape(-1) if comm.size > 1 else dv
-        x, info = _solution(solver_fn(kernel, everyone))
-        offset = comm.rank * n_local * per_sample  # this rank's rows of the kernel (rank-major)
-        mine = x[offset : offset + n_local * per_sample]
+        side = kernel.shape[1]
+        rows_solver = row_solver(solver_fn) if comm.size > 1 else None
+        if rows_solver is not None:  # the kernel stays split by rows: this rank's rows of x
+            kernel = _add_to_my_diagonal(kernel, diag_shift, comm)
+            if proj_reg is not None:
+                kernel = kernel + proj_reg / side
+            mine, info = _solution(rows_solver(kernel, dv, comm))
+        else:
+            kernel = _gather_rows(kernel, comm) if comm.size > 1 else kernel
+            kernel = kernel + diag_shift * jnp.eye(side, dtype=kernel.dtype)
+            if proj_reg is not None:
+                kernel = kernel + proj_reg / side
+            everyone = allgather(dv, comm=comm).reshape(-1) if comm.size > 1 else dv
+            x, info = _solution(solver_fn(kernel, everyone))
+            offset = comm.rank * n_local * per_sample  # this rank's rows of the kernel (rank-major)
+            mine = x[offset : offset + n_local * per_sample]
         updates = sum_over_ranks(O.T @ mine, comm)
         if momentum is not None:
             updates = updates + momentum * old_updates
@@ -218,8 +235,7 @@ def ntk_onthefly_update(apply_fun: Any, local_energies: jax.Array, params: Any, 
                                                       (old_updates,))[1][None], samples, chunk_size)[0]
             mean = sum_over_ranks(jnp.sum(previous, axis=0), comm) / n_total
             dv = dv - momentum * (previous - mean) / math.sqrt(n_total)
-    rhs = allgather(dv, comm=comm).reshape(n_total, *dv.shape[1:]) if comm.size > 1 else dv
-    rhs = rhs.reshape(-1)
+    rows_solver = row_solver(solver_fn) if comm.size > 1 else None
     # This rank's rows of the NTK against every sample, then centred: K − col − row + mean.
     shift = mean_jacobian_estimate(model, parameters_real, everyone, model_state)
     contraction = _ntk.empirical_ntk_by_jacobian(f=model, trace_axes=(), vmap_axes=0)
@@ -235,16 +251,26 @@ def ntk_onthefly_update(apply_fun: Any, local_energies: jax.Array, params: Any, 
     else:
         column_means = sum_over_ranks(jnp.sum(rows, axis=0, keepdims=True), comm) / n_total
         rows = rows - column_means - jnp.mean(rows, axis=1, keepdims=True) + jnp.mean(column_means)
-    kernel = _gather_rows(rows / n_total, comm) if comm.size > 1 else rows / n_total
-    kernel = kernel + diag_shift * jnp.eye(kernel.shape[0], dtype=kernel.dtype)
-    if proj_reg is not None:
-        kernel = kernel + proj_reg / n_total  # as NetKet's on-the-fly NTK (per sample, not per row)
-    x, info = _solution(solver_fn(kernel, rhs))
-    x = jnp.squeeze(x)
-    if mode == "complex":
-        x = x.reshape(n_total, 2)
-    x = (x - jnp.mean(x, axis=0, keepdims=True)) / math.sqrt(n_total)  # centres Ō's rows
-    mine = x[comm.rank * n_local : (comm.rank + 1) * n_local]
+    if rows_solver is not None:  # the kernel stays split by rows: this rank's rows of x
+        kernel = _add_to_my_diagonal(rows / n_total, diag_shift, comm)
+        if proj_reg is not None:
+            kernel = kernel + proj_reg / n_total  # as NetKet's on-the-fly NTK (per sample, not per row)
+        x, info = _solution(rows_solver(kernel, dv.reshape(-1), comm))
+        mine = x.reshape(dv.shape)
+        # Centres Ō's rows: the mean over every rank's samples.
+        mine = (mine - sum_over_ranks(jnp.sum(mine, axis=0, keepdims=True), comm) / n_total) / math.sqrt(n_total)
+    else:
+        rhs = allgather(dv, comm=comm).reshape(n_total, *dv.shape[1:]) if comm.size > 1 else dv
+        kernel = _gather_rows(rows / n_total, comm) if comm.size > 1 else rows / n_total
+        kernel = kernel + diag_shift * jnp.eye(kernel.shape[0], dtype=kernel.dtype)
+        if proj_reg is not None:
+            kernel = kernel + proj_reg / n_total  # as NetKet's on-the-fly NTK (per sample, not per row)
+        x, info = _solution(solver_fn(kernel, rhs.reshape(-1)))
+        x = jnp.squeeze(x)
+        if mode == "complex":
+            x = x.reshape(n_total, 2)
+        x = (x - jnp.mean(x, axis=0, keepdims=True)) / math.sqrt(n_total)  # centres Ō's rows
+        mine = x[comm.rank * n_local : (comm.rank + 1) * n_local]
     updates = sum_over_ranks(_chunked_pullback(model, parameters_real, samples, model_state, mine, chunk_size), comm)
     if momentum is not None:
         updates = tmap(lambda u, o: u + momentum * o, updates, old_updates)
@@ -293,19 +319,30 @@ def compute_loss_and_update(driver: Any) -> tuple[Any, Any]:
         momentum = momentum(driver.step_count)
     if not driver.use_ntk and driver.on_the_fly:
         raise NotImplementedError("VMC_SR: on_the_fly=True needs use_ntk=True (as in NetKet)")
-    _check_solver(driver._linear_solver)
+    solver = driver._linear_solver
+    _check_solver(solver)
+    if driver.use_ntk and comm.size > 1:  # NetKet's default solver -> the same, with the kernel split by rows
+        solver = default_ntk_solver(solver)
     if driver.use_ntk and driver.on_the_fly:
         driver._dp, driver._old_updates, driver.info = ntk_onthefly_update(
             state._apply_fun, local_energies, state.parameters, state.model_state, flat_samples(state),
-            diag_shift=diag_shift, solver_fn=driver._linear_solver, mode=driver.mode, proj_reg=proj_reg,
+            diag_shift=diag_shift, solver_fn=solver, mode=driver.mode, proj_reg=proj_reg,
             momentum=momentum, old_updates=driver._old_updates, chunk_size=driver.chunk_size_bwd, comm=comm)
         return driver._loss_stats, driver._dp
     driver._dp, driver._old_updates, driver.info = sr_update(
         state._apply_fun, local_energies, state.parameters, state.model_state, flat_samples(state),
-        diag_shift=diag_shift, solver_fn=driver._linear_solver, mode=driver.mode, proj_reg=proj_reg,
+        diag_shift=diag_shift, solver_fn=solver, mode=driver.mode, proj_reg=proj_reg,
         momentum=momentum, old_updates=driver._old_updates, chunk_size=driver.chunk_size_bwd,
         use_ntk=driver.use_ntk, comm=comm)
     return driver._loss_stats, driver._dp
+
+
+def _add_to_my_diagonal(rows: jax.Array, shift: Any, comm: Any) -> jax.Array:
+    """`shift` added to the diagonal entries of this rank's rows (n_r, M) of an M × M matrix held
+    rank-major in equal pieces (a distlinalg.netket.MCState holds as many samples on every rank)."""
+    n_r = rows.shape[0]
+    mine = jnp.arange(n_r)
+    return rows.at[mine, comm.rank * n_r + mine].add(jnp.asarray(shift, rows.dtype))
 
 
 def _gather_rows(rows: jax.Array, comm: Any) -> jax.Array:
