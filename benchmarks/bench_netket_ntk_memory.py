@@ -3,12 +3,22 @@
     .venv/bin/python benchmarks/bench_netket_ntk_memory.py --impl netket        # NetKet, one process
     .venv/bin/python benchmarks/bench_netket_ntk_memory.py --impl distlinalg    # dnk.MCState, 1 rank
     mpiexec -n 2 .venv/bin/python benchmarks/bench_netket_ntk_memory.py --impl distlinalg
+    mpiexec -n 2 .venv/bin/python benchmarks/bench_netket_ntk_memory.py --impl distlinalg \
+        --samples 8192 --solver cholesky_distributed --on-the-fly 0
 
 TFIM chain L=64, RBM α=25 (104,064 real parameters), 4096 samples in all (16
 chains per rank), ``nk.driver.VMC_SR(use_ntk=True)`` with NetKet's default
 ``on_the_fly`` and solver, diag_shift 0.01. Each run is a separate process, so
 that its peak resident memory (``ru_maxrss``, the largest over the ranks) is its
 own; the step time is the median of ``--steps`` steps after one warm-up step.
+
+``--solver``: the driver's ``linear_solver``: ``default`` (NetKet's default left in
+place; on a dnk.MCState with P > 1 that is the row-split Cholesky with the
+pinv_smooth fallback), ``cholesky_distributed`` / ``pinv_smooth_distributed``
+(distlinalg.netket's, the kernel split by rows), ``netket_cholesky``
+(``nk.optimizer.solver.cholesky``: on a dnk.MCState the kernel is gathered on every
+rank). ``--on-the-fly``: NetKet's lazy NTK (1) or the Jacobian's (0); unset: NetKet's
+choice (1 for ``use_ntk=True``).
 """
 
 from __future__ import annotations
@@ -33,6 +43,9 @@ def main() -> None:
     parser.add_argument("--sites", type=int, default=64)
     parser.add_argument("--alpha", type=int, default=25)
     parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--solver", default="default",
+                        choices=("default", "cholesky_distributed", "pinv_smooth_distributed", "netket_cholesky"))
+    parser.add_argument("--on-the-fly", type=int, choices=(0, 1), default=None)
     parser.add_argument("--json")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -54,7 +67,13 @@ def main() -> None:
         vstate = nk.vqs.MCState(sampler, model, n_samples=args.samples, n_discard_per_chain=2, seed=0)
     else:
         vstate = dnk.MCState(sampler, model, n_samples=args.samples, n_discard_per_chain=2, seed=0)
-    driver = nk.driver.VMC_SR(H, optax.sgd(0.01), variational_state=vstate, diag_shift=0.01, use_ntk=True)
+    options = {} if args.on_the_fly is None else {"on_the_fly": bool(args.on_the_fly)}
+    solvers = {"cholesky_distributed": dnk.cholesky_distributed, "pinv_smooth_distributed": dnk.pinv_smooth_distributed,
+               "netket_cholesky": nk.optimizer.solver.cholesky}
+    if args.solver != "default":
+        options["linear_solver"] = solvers[args.solver]
+    driver = nk.driver.VMC_SR(H, optax.sgd(0.01), variational_state=vstate, diag_shift=0.01, use_ntk=True,
+                              **options)
     stamps = []
 
     def stamp(step, log, driver):
@@ -68,9 +87,10 @@ def main() -> None:
     if comm.Get_rank() == 0:
         payload = {"bench": "netket_ntk_memory", "impl": args.impl, "ranks": comm.Get_size(),
                    "parameters": vstate.n_parameters, "samples": vstate.n_samples, "step_s": step,
-                   "peak_rss_gib_per_rank": peak, "on_the_fly": driver.on_the_fly}
+                   "peak_rss_gib_per_rank": peak, "on_the_fly": driver.on_the_fly, "solver": args.solver}
         print(f"{args.impl} ranks={comm.Get_size()} params={vstate.n_parameters} samples={vstate.n_samples} "
-              f"on_the_fly={driver.on_the_fly}: step {step:.2f} s, peak RSS per rank {peak:.2f} GiB", flush=True)
+              f"on_the_fly={driver.on_the_fly} solver={args.solver}: step {step:.2f} s, peak RSS per rank "
+              f"{peak:.2f} GiB", flush=True)
         _util.write_json(args.json, payload)
 
 
