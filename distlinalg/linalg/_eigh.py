@@ -148,7 +148,12 @@ def jacobi(H_rows: jax.Array, split: RowSplit) -> tuple[jax.Array, jax.Array, ja
         cosines = jnp.abs(G) / (norms[:, None] * norms[None, :] + jnp.finfo(real).tiny)
         worst = jnp.max(cosines - jnp.eye(2 * b, dtype=real))
         _, Q = jnp.linalg.eigh(G)
-        Q = near_identity(Q)
+        # A pair already orthogonal is left alone (threshold Jacobi): eigh's basis of a repeated
+        # eigenvalue of G is arbitrary, and rotating by it would move a column that is not yet
+        # orthogonal to another block into the partner block, out of the way of its next check,
+        # sweep after sweep (seen: a matrix with a 56-fold eigenvalue "converged" to a wrong V).
+        # It also makes the stopping test exact: a sweep that sees no cosine above tol rotated nothing.
+        Q = jnp.where(worst < tol, jnp.eye(2 * b, dtype=dtype), near_identity(Q))
         return W @ Q, V @ Q, worst
 
     def near_identity(Q):

@@ -223,3 +223,19 @@ def test_not_positive_definite_and_singular(comm, engine):
     assert int(info.reason) == dll.Reason.SINGULAR, (int(info.reason), info.engine)
     codes = gather_global(int(info.reason), comm)
     assert (codes == codes[0]).all()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_eigh_of_a_repeated_eigenvalue(comm, engine):
+    """A low-rank matrix plus a shift (a 20-fold eigenvalue, as an NTK's spectrum has):
+    the eigenvectors of the repeated eigenvalue are any basis, but A V = V diag(w) and V
+    unitary. (Jacobi rotating already orthogonal pairs by eigh's arbitrary basis once
+    stopped with a wrong V here.)"""
+    p, mine = rows(comm)
+    G = np.random.default_rng(7).standard_normal((N, 3))
+    A = G @ G.T / 3 + 0.5 * np.eye(N)
+    w, V = jax.jit(lambda a: dll.eigh(a, comm=comm, engine=engine))(jnp.asarray(A[mine]))
+    np.testing.assert_allclose(w, np.linalg.eigvalsh(A), rtol=1e-10, atol=1e-12)
+    V_all = gathered(V, p, comm)
+    np.testing.assert_allclose(V_all.T @ V_all, np.eye(N), atol=1e-12)
+    np.testing.assert_allclose(A @ V_all, V_all * np.asarray(w), atol=1e-11)
