@@ -4,7 +4,8 @@ Import under ``mpiexec -n P python script.py``; every rank runs the same
 program. ``distlinalg.comm`` holds the MPI primitives, ``distlinalg.ad`` the
 helpers for exact gradients of replicated losses, ``distlinalg.solvers`` the
 Krylov solvers (CG, MINRES, GMRES, BiCGStab) and the natural gradient,
-``distlinalg.operators`` the distributed linear operators.
+``distlinalg.operators`` the distributed linear operators, ``distlinalg.linalg`` dense
+factorisations (Cholesky, LU, eigh) of a matrix held by rows.
 """
 
 from ._version import __version__
@@ -28,9 +29,9 @@ GPU_COMPILE_OPTIONS = _compat.route_gpu_compilations()
 from . import _mpi  # initialises MPI and registers the FFI handlers
 from . import _safety  # a failing, stuck or interrupted rank ends the whole job
 _safety.install()
-from . import ad, comm, operators, solvers
+from . import ad, comm, linalg, operators, solvers
 from .comm import rank, size
 from .solvers import bicgstab, cg, eigsh, gmres, minres, natural_gradient
 
-__all__ = ["__version__", "ad", "comm", "operators", "solvers", "cg", "minres", "gmres", "bicgstab", "eigsh",
+__all__ = ["__version__", "ad", "comm", "linalg", "operators", "solvers", "cg", "minres", "gmres", "bicgstab", "eigsh",
            "natural_gradient", "rank", "size"]

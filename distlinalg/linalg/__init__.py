@@ -45,7 +45,13 @@ __all__ = ["cholesky_solve", "solve", "eigh", "pinv_smooth", "LinalgInfo", "Reas
 
 
 class Reason:
-    """Why a factorisation stopped (``LinalgInfo.reason``; identical on every rank)."""
+    """Why a factorisation stopped (``LinalgInfo.reason``; identical on every rank).
+
+    Example:
+      >>> import distlinalg.linalg as dll
+      >>> dll.Reason.names[dll.Reason.NOT_POSITIVE_DEFINITE]
+      'not positive definite'
+    """
 
     SUCCESS = 0
     NOT_POSITIVE_DEFINITE = 1
@@ -59,14 +65,37 @@ class Reason:
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["reason"], meta_fields=["engine"])
 @dataclasses.dataclass(frozen=True)
 class LinalgInfo:
-    """What ``return_info=True`` returns beside the result (a pytree: jit can return it)."""
+    """What ``return_info=True`` returns beside the result (a pytree: jit can return it).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import distlinalg as dl, distlinalg.linalg as dll
+      >>> from distlinalg.operators import Partition
+      >>> rows = Partition.even(4, dl.size())
+      >>> mine = slice(rows.starts[dl.rank()], rows.starts[dl.rank() + 1])
+      >>> A = -jnp.eye(4)[mine]                                  # negative definite
+      >>> solve = jax.jit(lambda a, b: dll.cholesky_solve(a, b, return_info=True))
+      >>> x, info = solve(A, jnp.ones(rows.size_of(dl.rank())))
+      >>> int(info.reason) == dll.Reason.NOT_POSITIVE_DEFINITE, bool(jnp.isnan(x).all())
+      (True, True)
+    """
 
     reason: Any  # int32 scalar, a Reason code, identical on every rank
     engine: str  # "scalapack", "distlinalg" or "lapack" (one rank); static
 
 
 def engine_status() -> tuple[bool, str]:
-    """(ScaLAPACK loaded in this process, a sentence saying from where or why not)."""
+    """(ScaLAPACK loaded in this process, a sentence saying from where or why not).
+
+    ``python -m distlinalg`` prints it too. ``engine="auto"`` uses ScaLAPACK where every
+    rank loaded it (and the backend is the CPU), else distlinalg's own engine.
+
+    Example:
+      >>> import distlinalg.linalg as dll
+      >>> loaded, why = dll.engine_status()
+      >>> isinstance(loaded, bool) and isinstance(why, str)
+      True
+    """
     return _engines.scalapack_status()
 
 
@@ -348,7 +377,7 @@ def pinv_smooth(A_rows: Any, b: Any, *, rtol: float = 1e-14, rtol_smooth: float 
                 grid: tuple[int, int] | None = None) -> tuple[Any, dict]:
     """NetKet's ``pinv_smooth`` on a matrix held by rows: x = V f(w) Vᴴ b.
 
-    f(λ) = 1/λ for |λ/λ_max| > rtol (else 0), times 1 / (1 + (rtol_smooth / |λ/λ_max|)⁶)
+    f(λ) = 1/λ where ``abs(λ/λ_max) > rtol`` (else 0), times ``1 / (1 + (rtol_smooth / abs(λ/λ_max))**6)``
     (Medvidovic & Sels 2022), with λ_max the largest eigenvalue, exactly as
     :func:`netket.optimizer.solver.pinv_smooth`.
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -63,7 +64,9 @@ def check(what: str, A_rows: Any, b: Any = None, *, comm: Any = None, engine: st
     everywhere = bool(table[:, 4].all())
     chosen = engine
     if engine == "auto":
-        chosen = "scalapack" if everywhere and comm.size > 1 else "distlinalg"
+        # ScaLAPACK runs on the host: on a GPU backend distlinalg's engine keeps the matrix there.
+        on_host = jax.default_backend() == "cpu"
+        chosen = "scalapack" if everywhere and comm.size > 1 and on_host else "distlinalg"
     elif engine == "scalapack" and not everywhere:
         raise ValueError(f"{what}: engine='scalapack' loaded on some ranks only "
                          f"(ranks without it: {np.flatnonzero(table[:, 4] == 0).tolist()})")

@@ -147,6 +147,14 @@ def cholesky_distributed(A: Any, b: Any, *, local_tile_size: Any = None, process
 
     Returns:
       ``(x, None)``; with keywords only, a partial capturing them.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import distlinalg.netket as dnk
+      >>> solver = dnk.cholesky_distributed(local_tile_size=64)     # for VMC_SR(linear_solver=...)
+      >>> x, _ = solver(jnp.diag(jnp.array([2.0, 4.0])), jnp.ones(2))   # a whole matrix, directly
+      >>> [round(float(v), 12) for v in x]
+      [0.5, 0.25]
     """
     del x0
     return _replicated("cholesky_distributed", _cholesky_rows, A, b,
@@ -167,6 +175,13 @@ def pinv_smooth_distributed(A: Any, b: Any, *, rtol: float = 1e-14, rtol_smooth:
     Returns:
       ``(x, info)`` with NetKet's ``pinv_smooth`` info (``eval_min``, ``eval_max``, ``rank``,
       ``cond_number``), identical on every rank; with keywords only, a partial capturing them.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import distlinalg.netket as dnk
+      >>> x, info = dnk.pinv_smooth_distributed(jnp.diag(jnp.array([1.0, 1e-20])), jnp.ones(2))
+      >>> [round(float(v), 12) for v in x], int(info["rank"])       # the tiny eigenvalue is dropped
+      ([1.0, 0.0], 1)
     """
     del x0
     return _replicated("pinv_smooth_distributed", _pinv_smooth_rows, A, b,
