@@ -174,10 +174,14 @@ def cholesky_solve(A_rows: Any, b: Any, *, comm: Any = None, engine: str = "auto
     what = "distlinalg.linalg.cholesky_solve"
     status = _engines.scalapack_status()[0] if engine != "distlinalg" else False
     split, A, b, chosen = _arguments.check(what, A_rows, b, comm=comm, engine=engine, block_size=block_size,
-                                           scalapack_loaded=status)
+                                           scalapack_loaded=status, options=_grid_code(grid))
     x, reason = _compute(_hermitian_solve, (A, b), split=split, engine=chosen, block_size=block_size,
                          grid=_grid(grid))
     return _finish(what, x, reason, _engine_used(split, chosen), return_info)
+
+
+def _grid_code(grid: Any) -> tuple[int, int]:
+    return (-1, -1) if grid is None else _grid(grid)
 
 
 def _grid(grid: Any) -> tuple[int, int] | None:
@@ -276,7 +280,8 @@ def solve(A_rows: Any, b: Any, *, assume_a: str = "gen", comm: Any = None, engin
         collectively(bad, _arguments.resolve_comm(comm))
     status = _engines.scalapack_status()[0] if engine != "distlinalg" else False
     split, A, b, chosen = _arguments.check(what, A_rows, b, comm=comm, engine=engine, block_size=block_size,
-                                           scalapack_loaded=status)
+                                           scalapack_loaded=status,
+                                           options=(*_grid_code(grid), ("gen", "her", "pos", "sym").index(assume_a)))
     if assume_a == "pos":
         x, reason = _compute(_hermitian_solve, (A, b), split=split, engine=chosen, block_size=block_size,
                          grid=_grid(grid))
@@ -359,7 +364,7 @@ def eigh(A_rows: Any, *, comm: Any = None, engine: str = "auto", block_size: int
     what = "distlinalg.linalg.eigh"
     status = _engines.scalapack_status()[0] if engine != "distlinalg" else False
     split, A, _, chosen = _arguments.check(what, A_rows, comm=comm, engine=engine, block_size=block_size,
-                                           scalapack_loaded=status)
+                                           scalapack_loaded=status, options=_grid_code(grid))
     w, V, reason = _compute(_eigh_core, (A,), split=split, engine=chosen, block_size=block_size,
                          grid=_grid(grid))
     return _finish(what, (w, V), reason, _engine_used(split, chosen), return_info)

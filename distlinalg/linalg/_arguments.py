@@ -31,8 +31,13 @@ def _dtype_code(dtype: Any) -> int:
 
 
 def check(what: str, A_rows: Any, b: Any = None, *, comm: Any = None, engine: str = "auto",
-          block_size: Any = None, scalapack_loaded: bool = False) -> tuple[RowSplit, Any, Any, str]:
-    """(the split, A, b in one floating dtype, the engine every rank runs), or a ValueError on every rank."""
+          block_size: Any = None, scalapack_loaded: bool = False, options: tuple = ()
+          ) -> tuple[RowSplit, Any, Any, str]:
+    """(the split, A, b in one floating dtype, the engine every rank runs), or a ValueError on every rank.
+
+    `options`: whatever else steers the factorisation (the grid, assume_a), as ints; with the
+    engine and the block size they must be the same on every rank (they set the schedule and
+    the message sizes), and the ranks compare them in the same exchange."""
     comm = resolve_comm(comm)
 
     def local() -> tuple[Any, Any]:
@@ -57,9 +62,14 @@ def check(what: str, A_rows: Any, b: Any = None, *, comm: Any = None, engine: st
 
     a, v = collectively(local, comm)
     width = -1 if v is None else (1 if v.ndim == 1 else v.shape[1]) * 10 + v.ndim
-    row = np.asarray([a.shape[0], a.shape[1], width, _dtype_code(a.dtype), int(bool(scalapack_loaded))])
+    steering = [ENGINES.index(engine), -1 if block_size is None else int(block_size), *[int(o) for o in options]]
+    row = np.asarray([a.shape[0], a.shape[1], width, _dtype_code(a.dtype), int(bool(scalapack_loaded)), *steering])
     table = exchange_rows(row, comm)
     _verdict(what, table, comm)
+    if (table[:, 5:] != table[0, 5:]).any():
+        raise ValueError(f"{what}: the ranks passed different engine, block_size, grid or assume_a (they set the "
+                         f"schedule of messages, so every rank must pass the same): "
+                         + ", ".join(f"rank {q}: {table[q, 5:].tolist()}" for q in range(comm.size)))
     split = RowSplit(Partition.from_sizes(table[:, 0]), comm)
     everywhere = bool(table[:, 4].all())
     chosen = engine

@@ -201,6 +201,13 @@ def test_bad_shapes_raise_on_every_rank(comm):
     failure = failure_of(lambda: dll.solve(jnp.asarray(A[mine]), jnp.ones(p.size_of(r)), assume_a="sy", comm=comm),
                          "assume_a")
     assert_no_failures(failure, comm)
+    if size > 1:  # options that set the schedule of messages, differing by rank
+        for call in (lambda: dll.cholesky_solve(jnp.asarray(A[mine]), jnp.ones(p.size_of(r)), comm=comm,
+                                                engine="distlinalg", block_size=4 + r),
+                     lambda: dll.solve(jnp.asarray(A[mine]), jnp.ones(p.size_of(r)), comm=comm,
+                                       assume_a="gen" if r else "pos"),
+                     lambda: dll.eigh(jnp.asarray(A[mine]), comm=comm, engine="distlinalg" if r else "auto")):
+            assert_no_failures(failure_of(call, "the ranks passed different engine, block_size"), comm)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
