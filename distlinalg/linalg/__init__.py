@@ -118,10 +118,8 @@ def _nan_anywhere(x: jax.Array, split: RowSplit) -> jax.Array:
 def _custom_solve(A_rows: jax.Array, b: jax.Array, split: RowSplit, apply_inverse: Any, hermitian: bool) -> jax.Array:
     """x = A⁻¹ b through lax.custom_linear_solve: the derivative is one more application of the
     inverse, dx = A⁻¹ (db − dA x), and its transpose with Aᵀ (= conj A for Hermitian A)."""
-    A_fixed = A_rows
-
     def matvec(x: jax.Array) -> jax.Array:
-        return A_fixed @ split.gather(x)
+        return A_rows @ split.gather(x)
 
     def inverse(_matvec: Any, r: jax.Array) -> jax.Array:
         return apply_inverse(r)

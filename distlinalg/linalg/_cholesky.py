@@ -36,7 +36,7 @@ import numpy as np
 from ..comm.bcast import bcast
 from ._layout import RowSplit
 
-__all__ = ["Schedule", "schedule", "factor", "solve", "transpose_solve", "not_positive_definite"]
+__all__ = ["Schedule", "schedule", "factor", "solve"]
 
 _GROUPS = 4  # trailing rows are updated in at most this many blocks (each from its own first column)
 

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..comm.allreduce import allreduce
 from ..comm.sendrecv import sendrecv

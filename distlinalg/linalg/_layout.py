@@ -16,14 +16,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .._mpi import Communicator
 from ..comm.alltoall import alltoall
 from ..comm.sendrecv import sendrecv
 from ..operators._partition import Partition, allgather_blocks
 
-__all__ = ["RowSplit", "ring_matmul", "rows_to_columns", "columns_to_rows"]
+__all__ = ["RowSplit", "ring_matmul", "rows_to_columns", "columns_to_rows", "hermitian_part"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +126,3 @@ def hermitian_part(A_rows: jax.Array, split: RowSplit) -> jax.Array:
     columns = rows_to_columns(A_rows, split, split.partition)  # A[:, rows_r], N × n_r
     return (A_rows + jnp.conj(columns).T) / 2
 
-
-def static_indices(values: Any) -> np.ndarray:
-    return np.asarray(values, dtype=np.int32)

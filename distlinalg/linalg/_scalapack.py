@@ -39,7 +39,6 @@ import os
 import threading
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

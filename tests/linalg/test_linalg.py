@@ -98,7 +98,9 @@ def test_pinv_smooth_is_netkets_formula(comm):
     expected = V @ (inverse * (V.T @ b))
     x, info = jax.jit(lambda a, v: dll.pinv_smooth(a, v, rtol=rtol, rtol_smooth=rtol_smooth, comm=comm,
                                                    engine="distlinalg"))(jnp.asarray(A[mine]), jnp.asarray(b[mine]))
-    np.testing.assert_allclose(gathered(x, p, comm), expected, rtol=1e-8, atol=1e-10)
+    # x weighs eigenvectors by up to 1/λ ≈ 1e6 (the smooth cut-off): errors of ε‖A‖ in the
+    # eigenpairs show 1e6 times larger here, for numpy's reference as for the engines.
+    np.testing.assert_allclose(gathered(x, p, comm), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
     assert int(info["rank"]) == int(np.sum(w > rtol * w[-1]))
     np.testing.assert_allclose(float(info["eval_max"]), w[-1], rtol=1e-12)
 
