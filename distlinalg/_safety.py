@@ -255,6 +255,10 @@ class _Monitor:
         self.printed_local = False
         self.sigint_at: float | None = None
         self.sigint_mark: Any = None
+        # The distlinalg calls seen in progress during the grace period, by call number: a loop
+        # of short calls spends part of its time between them, so one look at the end can miss
+        # the operation the program is in.
+        self.sigint_calls: dict[Any, dict[str, Any]] = {}
 
     # -- set-up, from the main thread -------------------------------------
     def _set_wakeup_fd(self) -> bool:
@@ -359,6 +363,7 @@ class _Monitor:
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 self.sigint_at = time.monotonic()
                 self.sigint_mark = _main_thread_mark()
+                self.sigint_calls = {}
 
     def _check_interrupt(self) -> None:
         assert self.sigint_at is not None
@@ -368,10 +373,19 @@ class _Monitor:
             # the job through the excepthook) or caught by the program.
             self.sigint_at = None
             return
+        calls = _mpi.calls_in_progress()
+        for call in calls:
+            self.sigint_calls[call.get("seq")] = call
         if time.monotonic() - self.sigint_at < SIGINT_GRACE_S:
             return
-        calls = _mpi.calls_in_progress()
-        where = "; ".join(describe_call(c) for c in calls) if calls else "a JAX computation or other native code"
+        if calls:
+            where = "; ".join(describe_call(c) for c in calls)
+        elif self.sigint_calls:
+            seen = self.sigint_calls[max(self.sigint_calls, key=lambda k: -1 if k is None else int(k))]
+            where = (f"a JAX computation, between its distlinalg calls ({len(self.sigint_calls)} seen since "
+                     f"the signal; the last: {describe_call(seen)})")
+        else:
+            where = "a JAX computation or other native code"
         _write(_prefix(
             f"KeyboardInterrupt on rank {self.rank} of {self.size} while in {where}\n"
             f"(the main thread could not raise it for {SIGINT_GRACE_S:.0f} s); ending the job "
