@@ -26,7 +26,7 @@ from .dense import Dense, DenseColumns, DenseColumnsOperator, DenseOperator, Den
 from .gram import GramOperator, gram
 from .sample_gram import SampleGramOperator, sample_gram
 from .sparse import SparseRowsOperator, sparse_rows
-from .stencil import Laplacian2D, laplacian_2d
+from .stencil import Laplacian2D, Stencil2D, StencilGrid, laplacian_2d, stencil_2d
 
 __all__ = [
     "LinearOperator",
@@ -57,4 +57,7 @@ __all__ = [
     "dense_columns",
     "laplacian_2d",
     "Laplacian2D",
+    "stencil_2d",
+    "Stencil2D",
+    "StencilGrid",
 ]

@@ -1,4 +1,5 @@
-"""The matrix-free 2-D 5-point Laplacian on a row-decomposed grid.
+"""Stencil operators on a row-decomposed 2-D grid: the matrix-free 5-point Laplacian, and
+general 3 × 3 stencils with coefficients per grid point.
 
 The n×n interior grid of the unit square (Dirichlet boundary, unscaled: 4
 on the diagonal, -1 for each of the four neighbours) is split into blocks
@@ -17,6 +18,9 @@ Two ways to exchange the halo rows, chosen by ``halo=``:
   more). On 2 ranks of one machine (messages cheap) CG with it takes
   1.4–1.7× as long per iteration as with the blocking exchange
   (benchmarks/results_overlap.md).
+
+Both declare their grid (``stencil_grid``: the grid's shape and how its rows
+are split), which is what :func:`distlinalg.solvers.multigrid` coarsens.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._mpi import MPI, Communicator, resolve_comm
 from ..comm.nonblocking_p2p import irecv, isend
@@ -33,6 +38,58 @@ from ..comm.p2p import sendrecv
 from .._trees import Structure
 from ._base import LinearOperator, operator_class, static
 from ._partition import Partition, resolve_halo_mode, resolve_partition
+
+
+class StencilGrid(NamedTuple):
+    """The grid behind a stencil operator: what :func:`distlinalg.solvers.multigrid` coarsens.
+
+    An operator that has a ``stencil_grid`` promises that its vectors are this
+    rank's grid rows [s_r, s_{r+1}) of a ``shape = (ny, nx)`` grid, flattened
+    in row-major order (shape ((s_{r+1} − s_r)·nx,)), that ``row_partition``
+    splits the ny grid rows over the ranks of ``comm``, and that its matvec
+    couples each grid point only with its eight neighbours (a stencil of at
+    most 3 × 3 points; grid points beyond the edge are zero, as with a
+    Dirichlet boundary).
+
+    Example:
+      >>> from distlinalg.operators import laplacian_2d
+      >>> grid = laplacian_2d(6).stencil_grid
+      >>> grid.shape, grid.row_partition.total
+      ((6, 6), 6)
+    """
+
+    shape: tuple[int, int]
+    row_partition: Partition
+
+
+def grid_neighbours(row_partition: Partition, comm: Communicator) -> tuple[int, int, int]:
+    """(this rank's grid rows, the rank holding the rows above, the rank holding the rows below).
+
+    Ranks holding no rows are skipped: the neighbours are the nearest ranks
+    that hold rows (PROC_NULL at the ends of the grid, and on a rank that
+    holds none).
+    """
+    rank = comm.rank
+    mine = row_partition.size_of(rank)
+    holders = [r for r in range(comm.size) if row_partition.size_of(r) > 0]
+    if not mine:
+        return 0, MPI.PROC_NULL, MPI.PROC_NULL
+    position = holders.index(rank)
+    up = holders[position - 1] if position > 0 else MPI.PROC_NULL
+    down = holders[position + 1] if position + 1 < len(holders) else MPI.PROC_NULL
+    return mine, up, down
+
+
+def halo_rows(u: jax.Array, up: int, down: int, comm: Communicator) -> tuple[jax.Array, jax.Array]:
+    """(the grid row above this block, the grid row below it): two sendrecvs, zeros beyond the grid.
+
+    `u` is this rank's block of grid rows (rows, nx), rows ≥ 1. No message
+    when the block has no neighbour (one rank).
+    """
+    boundary = jnp.zeros(u.shape[1:], u.dtype)
+    above = _exchange_row(u[-1], boundary, up, down, _ABOVE_TAG, comm)
+    below = _exchange_row(u[0], boundary, down, up, _BELOW_TAG, comm)
+    return (boundary if above is None else above), (boundary if below is None else below)
 
 
 def _interior_stencil(u: jax.Array) -> jax.Array:
@@ -149,6 +206,11 @@ class Laplacian2D(LinearOperator):
         return self.row_partition.starts[rank], self.row_partition.starts[rank + 1]
 
     @property
+    def stencil_grid(self) -> StencilGrid:
+        """The n × n grid and its row split (what :func:`distlinalg.solvers.multigrid` coarsens)."""
+        return StencilGrid((self.n, self.n), self.row_partition)
+
+    @property
     def in_structure(self) -> Structure:
         return Structure.of(jax.ShapeDtypeStruct((self.row_partition.size_of(self.comm.rank) * self.n,), self.dtype))
 
@@ -158,15 +220,7 @@ class Laplacian2D(LinearOperator):
 
     def _geometry(self) -> _Geometry:
         """This rank's rows and its neighbours (the ranks holding the rows above and below)."""
-        rank, partition = self.comm.rank, self.row_partition
-        mine = partition.size_of(rank)
-        holders = [r for r in range(self.comm.size) if partition.size_of(r) > 0]
-        if mine:
-            position = holders.index(rank)
-            up = holders[position - 1] if position > 0 else MPI.PROC_NULL
-            down = holders[position + 1] if position + 1 < len(holders) else MPI.PROC_NULL
-        else:
-            up = down = MPI.PROC_NULL
+        mine, up, down = grid_neighbours(self.row_partition, self.comm)
         return _Geometry(self.n, mine, up, down, self.comm, self.halo)
 
     def _matvec(self, v: Any) -> Any:
@@ -287,3 +341,128 @@ def laplacian_2d(
     halo = resolve_halo_mode(halo, comm, "distlinalg.operators.laplacian_2d")
     grid_rows: Partition = resolve_partition(row_partition, n, comm, "row_partition")
     return Laplacian2D(n=n, row_partition=grid_rows, dtype=dtype, comm=comm, halo=halo)
+
+
+# ---------------------------------------------------------------------------
+# General 3 × 3 stencils
+@operator_class
+class Stencil2D(LinearOperator):
+    """A 3 × 3 stencil with coefficients per grid point, on a row-decomposed grid (:func:`stencil_2d`).
+
+    ``coefficients[a, b, i, j]`` multiplies u[i + a − 1, j + b − 1] in row
+    (i, j) of the product (i local to this rank's block of grid rows); the
+    neighbours beyond the grid are zero. One halo row each way per matvec
+    (two sendrecvs, none on one rank). The coarse levels of
+    :func:`distlinalg.solvers.multigrid` are these operators.
+
+    Pytree: the coefficients are the child (differentiable); the grid, its
+    row split, the communicator and the symmetry flags are static.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg.operators import Stencil2D, laplacian_2d
+      >>> A = laplacian_2d(4)
+      >>> first, last = A.grid_rows
+      >>> c = jnp.zeros((3, 3, last - first, 4)).at[1, 1].set(4.0)
+      >>> c = c.at[0, 1].set(-1.0).at[2, 1].set(-1.0).at[1, 0].set(-1.0).at[1, 2].set(-1.0)
+      >>> S = Stencil2D(coefficients=c, shape=(4, 4), row_partition=A.row_partition, comm=A.comm)
+      >>> x = jnp.arange(16.0)[4 * first : 4 * last]
+      >>> bool(jnp.allclose(S @ x, A @ x))
+      True
+    """
+
+    coefficients: Any
+    shape: tuple[int, int] = static()
+    row_partition: Partition = static()
+    comm: Communicator = static()
+    symmetric: bool = static(default=False)
+    hermitian: bool = static(default=False)
+
+    layout = "sharded"
+
+    @property
+    def stencil_grid(self) -> StencilGrid:
+        return StencilGrid(tuple(self.shape), self.row_partition)
+
+    @property
+    def grid_rows(self) -> tuple[int, int]:
+        rank = self.comm.rank
+        return self.row_partition.starts[rank], self.row_partition.starts[rank + 1]
+
+    @property
+    def in_structure(self) -> Structure:
+        rows = self.row_partition.size_of(self.comm.rank)
+        return Structure.of(jax.ShapeDtypeStruct((rows * self.shape[1],), jnp.result_type(self.coefficients)))
+
+    @property
+    def out_structure(self) -> Structure:
+        return self.in_structure
+
+    def _matvec(self, v: Any) -> Any:
+        return apply_stencil(self.coefficients, jnp.asarray(v), self.row_partition, self.comm)
+
+    def _diagonal(self) -> Any:
+        return self.coefficients[1, 1].reshape(-1)
+
+
+def apply_stencil(coefficients: jax.Array, v: jax.Array, row_partition: Partition, comm: Communicator) -> jax.Array:
+    """Σ_ab c[a, b] ⊙ (v shifted by (a − 1, b − 1)) on this rank's grid rows (flat in, flat out)."""
+    mine, up, down = grid_neighbours(row_partition, comm)
+    if not mine:
+        return v
+    nx = coefficients.shape[-1]
+    u = v.reshape(mine, nx)
+    above, below = halo_rows(u, up, down, comm)
+    extended = jnp.pad(jnp.concatenate([above[None], u, below[None]]), ((0, 0), (1, 1)))
+    out = sum(coefficients[a, b] * extended[a : a + mine, b : b + nx] for a in range(3) for b in range(3))
+    return out.reshape(-1)
+
+
+def stencil_2d(coefficients: Any, *, symmetric: bool = False, hermitian: bool = False,
+               comm: Any = None) -> Stencil2D:
+    """A 3 × 3 stencil operator from this rank's coefficients, grid rows split as the coefficients are.
+
+    Args:
+      coefficients: (3, 3, rows, nx), this rank's grid rows: ``[a, b, i, j]``
+        multiplies u[i + a − 1, j + b − 1] (global grid rows, zero beyond the
+        grid). rows may differ between ranks (0 included); nx must not.
+      symmetric, hermitian: what the caller knows of the matrix (the solvers
+        read them; nothing is checked).
+      comm: communicator (default distlinalg's).
+
+    Returns:
+      A sharded :class:`Stencil2D` on flat vectors of shape (rows·nx,), with
+      ``stencil_grid`` (so :func:`distlinalg.solvers.multigrid` takes it).
+      Every rank builds it together (the row counts are exchanged once).
+
+    AD: linear in the coefficients and in v; both modes, every order.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import stencil_2d
+      >>> rows = 2                                   # this rank's grid rows
+      >>> c = jnp.zeros((3, 3, rows, 5)).at[1, 1].set(2.0)
+      >>> S = stencil_2d(c, symmetric=True)          # 2·I on a (2·size) × 5 grid
+      >>> S.stencil_grid.shape == (2 * comm.size(), 5)
+      True
+      >>> S @ jnp.ones(rows * 5)
+      Array([2., 2., 2., 2., 2., 2., 2., 2., 2., 2.], dtype=float32)
+    """
+    from ._partition import exchange_rows
+
+    comm = resolve_comm(comm)
+    coefficients = jnp.asarray(coefficients)
+    shape_ok = coefficients.ndim == 4 and coefficients.shape[:2] == (3, 3)
+    rows, nx = (coefficients.shape[2], coefficients.shape[3]) if shape_ok else (-1, -1)
+    table = exchange_rows(np.asarray([rows, nx], np.int64), comm)
+    if np.any(table[:, 0] < 0):
+        bad = [r for r in range(comm.size) if table[r, 0] < 0]
+        raise ValueError(f"distlinalg.operators.stencil_2d: coefficients must have shape (3, 3, rows, nx); "
+                         f"rank(s) {bad} passed another shape")
+    if np.any(table[:, 1] != table[0, 1]):
+        raise ValueError(f"distlinalg.operators.stencil_2d: every rank's coefficients must have the same nx; "
+                         f"got {table[:, 1].tolist()}")
+    partition = Partition.from_sizes(table[:, 0])
+    return Stencil2D(coefficients=coefficients, shape=(partition.total, int(table[0, 1])), row_partition=partition, comm=comm,
+                     symmetric=bool(symmetric), hermitian=bool(hermitian))

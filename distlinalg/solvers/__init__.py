@@ -20,7 +20,10 @@ from .eigsh import EigshInfo, eigsh
 from .gmres import gmres
 from .minres import minres
 from .natural_gradient import natural_gradient
+from .chebyshev import ChebyshevPreconditioner, chebyshev
+from .multigrid import Multigrid, multigrid
 from .preconditioners import jacobi
 
-__all__ = ["cg", "minres", "gmres", "bicgstab", "eigsh", "natural_gradient", "jacobi", "Reason", "SolverInfo",
+__all__ = ["cg", "minres", "gmres", "bicgstab", "eigsh", "natural_gradient", "jacobi", "chebyshev", "multigrid",
+           "ChebyshevPreconditioner", "Multigrid", "Reason", "SolverInfo",
            "EigshInfo"]

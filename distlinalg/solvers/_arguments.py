@@ -109,6 +109,7 @@ def solver_operator(A: Any, layout: str, comm: Communicator, like: Any, what: st
                 f"for layout={layout!r}; pass layout={A.layout!r}"
             )
         _check_square(A, what)
+        _check_fits(A, like, what)
         return A
     if callable(A):
         return aslinearoperator(A, layout=layout, comm=comm)
@@ -150,6 +151,20 @@ def _check_square(A: LinearOperator, what: str) -> None:
             f"distlinalg: {what} is not square on this rank: it maps blocks of shapes {in_shapes} to blocks "
             f"of shapes {out_shapes}; a solve or eigensolve needs A x laid out as x (a sharded operator's "
             "rows split over the ranks as its columns)"
+        )
+
+
+def _check_fits(A: LinearOperator, like: Any, what: str) -> None:
+    """This rank's block of b has the shapes that `A` takes (an operator, or a preconditioner such as
+    multigrid, built for another grid or another split fails here, before any message)."""
+    if A.in_structure is None:
+        return
+    expected = [tuple(leaf.shape) for leaf in A.in_structure.leaves]
+    given = [tuple(jnp.shape(leaf)) for leaf in jax.tree_util.tree_leaves(like)]
+    if expected != given:
+        raise ValueError(
+            f"distlinalg: {what} does not fit b: on this rank it takes blocks of shapes {expected}, b's are "
+            f"{given} (an operator or preconditioner built for another grid, size or split of the rows?)"
         )
 
 

@@ -1,0 +1,217 @@
+"""Geometric multigrid, Chebyshev preconditioning and 3 × 3 stencil operators.
+
+Every value is checked against numpy on the gathered grid: the transfers
+against the bilinear interpolation matrix, the coarse operators against the
+dense Galerkin product Pᵀ A P, the solves against numpy's solve. The grids
+are split unevenly (from 3 ranks on, rank 0 holds no grid row), with odd
+and even sizes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import distlinalg as dl
+from distlinalg.operators import Partition, laplacian_2d, stencil_2d
+
+from conftest import assert_no_failures, failure_of, uneven_partition
+
+mg = sys.modules["distlinalg.solvers.multigrid"]
+
+
+def whole(local, comm):
+    """Every rank's block of a flat vector, concatenated (on every rank)."""
+    return np.concatenate([np.asarray(x).reshape(-1) for x in comm.allgather(np.asarray(local))])
+
+
+def mine(global_vector, partition: Partition, nx: int, rank: int):
+    return jnp.asarray(global_vector[partition.starts[rank] * nx : partition.starts[rank + 1] * nx])
+
+
+def interpolation(n: int) -> np.ndarray:
+    """Bilinear interpolation from the (n//2)² grid of odd-numbered points to the n² grid (dense)."""
+    P = np.zeros((n, n // 2))
+    for J in range(n // 2):
+        P[2 * J + 1, J] = 1
+        P[2 * J, J] = 0.5
+        if 2 * J + 2 < n:
+            P[2 * J + 2, J] = 0.5
+    return np.kron(P, P)
+
+
+def dense_laplacian(n: int) -> np.ndarray:
+    T = 2 * np.eye(n) - np.eye(n, k=1) - np.eye(n, k=-1)
+    return np.kron(np.eye(n), T) + np.kron(T, np.eye(n))
+
+
+@pytest.mark.parametrize("n", [9, 10])
+def test_transfers_and_galerkin_operator_match_dense_reference(comm, rank, size, n):
+    A = laplacian_2d(n, row_partition=uneven_partition(n, size))
+    M = dl.solvers.multigrid(A, levels=2)
+    fine, coarse = M.grids
+    assert coarse.shape == (n // 2, n // 2)
+    assert coarse.row_partition.starts == tuple(s // 2 for s in fine.row_partition.starts)
+    P = interpolation(n)
+    rng = np.random.default_rng(n)
+    e, r = rng.standard_normal(P.shape[1]), rng.standard_normal(P.shape[0])
+    prolonged = jax.jit(lambda v: mg.prolong(v, fine, coarse, A.comm))(mine(e, coarse.row_partition, n // 2, rank))
+    restricted = jax.jit(lambda v: mg.restrict(v, fine, coarse, A.comm))(mine(r, fine.row_partition, n, rank))
+    np.testing.assert_allclose(whole(prolonged, comm), P @ e, rtol=1e-14, atol=1e-14)
+    np.testing.assert_allclose(whole(restricted, comm), P.T @ r, rtol=1e-14, atol=1e-14)
+    # The coarse operator is the Galerkin product, found by probing.
+    galerkin = P.T @ dense_laplacian(n) @ P
+    v = rng.standard_normal(galerkin.shape[0])
+    product = jax.jit(lambda S, v: S @ v)(M.coarse[0], mine(v, coarse.row_partition, n // 2, rank))
+    np.testing.assert_allclose(whole(product, comm), galerkin @ v, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(M.upper), [2.0, np.abs(galerkin).sum(1).max() / galerkin[0, 0]],
+                               rtol=1e-12)
+
+
+def test_preconditioner_is_symmetric_positive_definite(comm, rank, size):
+    """M as a dense matrix (applied to every unit vector of the gathered grid): Mᵀ = M, M > 0;
+    for the V- and W-cycles with both smoothers, 3 levels on a 12 × 12 grid."""
+    n = 12
+    A = laplacian_2d(n, row_partition=uneven_partition(n, size))
+    partition = A.row_partition
+    identity = np.eye(n * n)
+    rows = slice(partition.starts[rank] * n, partition.starts[rank + 1] * n)
+    for smoother, cycle in [("chebyshev", "V"), ("jacobi", "W")]:
+        M = dl.solvers.multigrid(A, levels=3, smoother=smoother, cycle=cycle, degree=3)
+        columns = jax.jit(jax.vmap(lambda M, v: M @ v, in_axes=(None, 1), out_axes=1))(M, jnp.asarray(identity[rows]))
+        dense = np.concatenate(comm.allgather(np.asarray(columns)))
+        np.testing.assert_allclose(dense, dense.T, atol=1e-12)
+        assert np.linalg.eigvalsh(dense).min() > 0
+        # The whole cycle is a good approximate inverse: the spectrum of M A clusters near 1.
+        eig = np.linalg.eigvals(dense @ dense_laplacian(n)).real
+        assert 0.5 < eig.min() and eig.max() < 1.05, (smoother, cycle, eig.min(), eig.max())
+
+
+@pytest.mark.parametrize("n", [63, 128, 257])
+def test_cg_iterations_do_not_grow_with_the_grid(comm, rank, size, n):
+    A = laplacian_2d(n, row_partition=uneven_partition(n, size))
+    b = jnp.ones(A.input_structure.shape)
+    solve = jax.jit(lambda A, b: dl.cg(A, b, M=dl.solvers.multigrid(A), rtol=1e-8))
+    x, info = solve(A, b)
+    assert bool(info.converged) and int(info.iterations) <= 10, int(info.iterations)
+    residual = np.sqrt(comm.allreduce(float(jnp.sum((b - A @ x) ** 2))))
+    assert residual <= 1e-8 * n  # the true residual, ‖b‖ = n
+
+
+@pytest.mark.max_ranks(2)
+def test_every_solver_takes_it_eagerly_and_in_jit(comm, rank, size):
+    n = 20
+    A = laplacian_2d(n, row_partition=uneven_partition(n, size))
+    b_global = np.random.default_rng(0).standard_normal(n * n)
+    b = mine(b_global, A.row_partition, n, rank)
+    expected = np.linalg.solve(dense_laplacian(n), b_global)
+    M = dl.solvers.multigrid(A)  # eager build
+    for solver in (dl.cg, dl.minres, dl.gmres, dl.bicgstab):
+        x, info = solver(A, b, M=M, rtol=1e-10)
+        assert bool(info.converged), solver
+        np.testing.assert_allclose(whole(x, comm), expected, rtol=1e-8, atol=1e-8)
+    x, info = jax.jit(lambda A, M, b: dl.cg(A, b, M=M, rtol=1e-10))(A, M, b)
+    np.testing.assert_allclose(whole(x, comm), expected, rtol=1e-8, atol=1e-8)
+
+
+def test_lobpcg_with_multigrid_finds_the_smallest_eigenvalues(comm, rank, size):
+    n, k = 24, 4
+    A = laplacian_2d(n, row_partition=uneven_partition(n, size))
+    w, _, info = dl.eigsh(A, k, which="SA", method="lobpcg", M=dl.solvers.multigrid(A), tol=1e-8)
+    expected = np.linalg.eigvalsh(dense_laplacian(n))[:k]
+    np.testing.assert_allclose(np.asarray(w), expected, rtol=1e-7)
+    assert bool(info.converged)
+
+
+def test_derivatives_of_a_solve_do_not_see_the_preconditioner(comm, rank, size):
+    n = 16
+    A = laplacian_2d(n, row_partition=uneven_partition(n, size))
+    b = mine(np.random.default_rng(1).standard_normal(n * n), A.row_partition, n, rank)
+    weights = jnp.linspace(0.5, 1.5, b.shape[0])
+
+    def loss(b, with_mg):
+        M = dl.solvers.multigrid(A) if with_mg else None
+        x, _ = dl.cg(A, b, M=M, rtol=1e-12)
+        return jnp.sum(weights * x ** 2)
+
+    grads = [jax.jit(jax.grad(loss), static_argnums=1)(b, flag) for flag in (True, False)]
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-8, atol=1e-10)
+    tangent = jnp.cos(jnp.arange(b.shape[0]) + rank)
+    jvps = [jax.jit(lambda b, t, flag=flag: jax.jvp(lambda b: loss(b, flag), (b,), (t,))[1])(b, tangent)
+            for flag in (True, False)]
+    np.testing.assert_allclose(jvps[0], jvps[1], rtol=1e-8)
+
+
+@pytest.mark.max_ranks(2)
+def test_stencil_2d_matches_its_dense_matrix_and_transposes(comm, rank, size):
+    ny, nx = 7, 5
+    partition = uneven_partition(ny, size)
+    rows = partition.size_of(rank)
+    rng = np.random.default_rng(3)
+    c_global = rng.standard_normal((3, 3, ny, nx))
+    c = jnp.asarray(c_global[:, :, partition.starts[rank] : partition.starts[rank + 1]])
+    S = stencil_2d(c)
+    assert S.stencil_grid.shape == (ny, nx) and S.row_partition == partition
+    dense = np.asarray(mg.assemble_dense(jnp.asarray(c_global), (ny, nx)))
+    # The dense reference, entry by entry.
+    for (J, K, a, b) in [(0, 0, 1, 1), (3, 2, 0, 2), (6, 4, 2, 0)]:
+        Jn, Kn = J + a - 1, K + b - 1
+        expected = c_global[a, b, J, K] if 0 <= Jn < ny and 0 <= Kn < nx else 0.0
+        assert dense[J * nx + K, (Jn % ny) * nx + Kn % nx] == expected
+    v = rng.standard_normal(ny * nx)
+    local = mine(v, partition, nx, rank)
+    np.testing.assert_allclose(whole(jax.jit(lambda S, v: S @ v)(S, local), comm), dense @ v, rtol=1e-12)
+    np.testing.assert_allclose(whole(S.T @ local, comm), dense.T @ v, rtol=1e-12)
+    assert local.shape == (rows * nx,)
+
+
+def test_chebyshev_preconditioner(comm, rank, size):
+    n = 24
+    A = laplacian_2d(n, row_partition=uneven_partition(n, size))
+    b = jnp.ones(A.input_structure.shape)
+    M = dl.solvers.chebyshev(A, degree=4)  # bounds from Lanczos
+    lo, hi = float(M.lo), float(M.hi)
+    exact = np.linalg.eigvalsh(dense_laplacian(n))
+    assert exact[-1] <= hi <= 1.2 * exact[-1] and np.isclose(lo, hi / 100)
+    assert comm.allgather((lo, hi)) == [(lo, hi)] * size  # replicated
+    solve = jax.jit(lambda A, M, b: dl.cg(A, b, M=M, rtol=1e-10))
+    x, info = solve(A, M, b)
+    _, plain = solve(A, None, b)
+    assert bool(info.converged) and int(info.iterations) <= 0.6 * int(plain.iterations)
+    np.testing.assert_allclose(whole(x, comm), np.linalg.solve(dense_laplacian(n), np.ones(n * n)), rtol=1e-8)
+    # A replicated dense operator, bounds given: q(A) is symmetric positive definite.
+    Q = np.random.default_rng(2).standard_normal((6, 6))
+    D = Q @ Q.T + np.eye(6)
+    top = np.linalg.eigvalsh(D)[-1]
+    R = dl.solvers.chebyshev(jnp.asarray(D), degree=3, bounds=(0.5, top))
+    q = np.asarray(jax.vmap(R.matvec, in_axes=1, out_axes=1)(jnp.eye(6)))
+    np.testing.assert_allclose(q, q.T, atol=1e-12)
+    assert np.linalg.eigvalsh(q).min() > 0
+
+
+@pytest.mark.max_ranks(2)
+def test_bad_input_raises_on_every_rank(comm, rank, size):
+    A = laplacian_2d(16, row_partition=uneven_partition(16, size))
+    cases = [
+        (lambda: dl.solvers.multigrid(dl.operators.dense_rows(jnp.eye(4)[:2] if size == 2 else jnp.eye(4))),
+         "must be a sharded operator on a grid"),
+        (lambda: dl.solvers.multigrid(A, levels=0), "levels must be None or an int >= 1"),
+        (lambda: dl.solvers.multigrid(A, levels=9), "has at most 5 levels"),
+        (lambda: dl.solvers.multigrid(laplacian_2d(80), levels=1), "solved directly on every rank"),
+        (lambda: dl.solvers.multigrid(A, smoother="sor"), "smoother must be one of"),
+        (lambda: dl.solvers.multigrid(A, cycle="F"), "cycle must be one of"),
+        (lambda: dl.solvers.multigrid(A, degree=2 + (rank == size - 1) * (size > 1)),
+         "different levels, smoother, cycle or degree" if size > 1 else None),
+        (lambda: dl.solvers.chebyshev(A, degree=0), "degree must be an int >= 1"),
+        (lambda: dl.solvers.chebyshev(A, bounds=(2.0, 1.0)), "0 < lo < hi"),
+        (lambda: dl.cg(laplacian_2d(12), jnp.ones(laplacian_2d(12).input_structure.shape),
+                       M=dl.solvers.multigrid(A)), "does not fit"),
+    ]
+    for fn, pattern in cases:
+        if pattern is None:
+            continue
+        assert_no_failures(failure_of(fn, pattern), comm)
