@@ -36,6 +36,7 @@ class Params(NamedTuple):
     comm: Communicator
     method: str = "lanczos"
     operator_consts: int = 0   # how many of the closure-converted constants are A's (the rest are M's)
+    sigma: float | None = None  # shift-invert: Lanczos on (A − σI)⁻¹, the eigenvalues nearest σ
 
 
 class Found(NamedTuple):

@@ -7,6 +7,11 @@ Two methods, on the operators the solvers take (either layout):
 * ``"lobpcg"``: LOBPCG with an optional preconditioner M (``_lobpcg``): one
   block matvec (k vectors, batched), one block preconditioner application and
   three allreduces per iteration (sharded layout).
+* shift-invert (``sigma=σ``): Lanczos on (A − σI)⁻¹, each product an inner
+  MINRES solve of (A − σI) y = v (preconditioned by M, e.g. multigrid), for
+  the eigenvalues nearest σ. Lanczos converges on the eigenvalues that are
+  largest in magnitude, 1/(λ − σ): those nearest σ, well separated there
+  however clustered λ is near the end of the spectrum.
 
 Derivatives (custom JVP, so reverse mode by transposition), the same for
 both methods since they depend only on the eigenpairs:
@@ -86,13 +91,14 @@ def eigsh(
     A: Any,
     k: int = 1,
     *,
-    which: str = "SA",
+    which: str | None = None,
     v0: Any = None,
     tol: float | None = None,
     maxiter: int | None = None,
     ncv: int | None = None,
     method: str = "lanczos",
     M: Any = None,
+    sigma: float | None = None,
     layout: str | None = None,
     comm: Any = None,
 ) -> tuple[Any, Any, EigshInfo]:
@@ -105,6 +111,8 @@ def eigsh(
       k: how many eigenpairs (static), 1 ≤ k < n.
       which: ``"SA"`` (smallest algebraic, default), ``"LA"`` (largest),
         ``"SM"`` / ``"LM"`` (smallest / largest magnitude; Lanczos only).
+        With ``sigma``: ``"LM"`` (the default there), as in scipy: the
+        largest 1/(λ − σ) in magnitude, i.e. the eigenvalues nearest σ.
       v0: start vector in A's layout (default: a fixed pseudo-random vector;
         required for a callable A without an ``input_structure``, to give
         the shape). LOBPCG starts from v0 and k − 1 pseudo-random vectors.
@@ -118,14 +126,22 @@ def eigsh(
         (LOBPCG, block size k, with the preconditioner M).
       M: LOBPCG's preconditioner, an approximation of A⁻¹ (Hermitian
         positive definite) in A's layout: an operator, a callable, a dense
-        replicated matrix, as for :func:`~distlinalg.solvers.cg`. Lanczos
-        takes none.
+        replicated matrix, as for :func:`~distlinalg.solvers.cg`; with
+        ``sigma``, the preconditioner of the inner MINRES solves (Hermitian
+        positive definite, approximating (A − σI)⁻¹ in magnitude, e.g.
+        :func:`~distlinalg.solvers.multigrid` of A for σ near the bottom of
+        the spectrum). Plain Lanczos takes none.
+      sigma: shift-invert mode (a Python number, static): the k eigenvalues
+        nearest σ, by Lanczos on (A − σI)⁻¹, each product an inner MINRES
+        solve to rtol max(tol/100, 1000 ε). Returned nearest first; method
+        must be "lanczos". σ must not be an eigenvalue.
       layout, comm: as for :func:`distlinalg.solvers.cg`.
 
     Returns:
       ``(w, V, info)``: ``w`` the eigenvalues, shape (k,), real, ascending for
       "SA"/"SM" and descending for "LA"/"LM" (by magnitude for the "M" kinds),
-      identical on every rank; ``V`` the eigenvectors with a leading axis of k
+      identical on every rank (with ``sigma``: by distance from σ, nearest
+      first); ``V`` the eigenvectors with a leading axis of k
       in A's layout (sharded: ``V[i]`` is this rank's rows of eigenvector i),
       orthonormal over all ranks; ``info`` an :class:`EigshInfo`.
 
@@ -154,7 +170,12 @@ def eigsh(
       >>> w, V, info = eigsh(A, k=2, which="LA", method="lobpcg", M=jnp.diag(1 / jnp.diag(A)))
       >>> np.round(np.asarray(w), 4).tolist(), bool(info.converged)
       ([30.0, 29.0], True)
+      >>> w, V, info = eigsh(A, k=3, sigma=10.2)               # the three nearest 10.2
+      >>> np.round(np.asarray(w), 4).tolist(), bool(info.converged)
+      ([10.0, 11.0, 9.0], True)
     """
+    if which is None:
+        which = "SA" if sigma is None else "LM"
     if layout is None:
         layout = A.layout if isinstance(A, LinearOperator) else "replicated"
     if comm is None and isinstance(A, LinearOperator):
@@ -167,8 +188,19 @@ def eigsh(
             raise ValueError(f"distlinalg.eigsh: method must be one of {METHODS}, got {method!r}")
         if which not in WHICH:
             raise ValueError(f"distlinalg.eigsh: which must be one of {WHICH}, got {which!r}")
-        if method == "lanczos" and M is not None:
-            raise ValueError("distlinalg.eigsh: the Lanczos method takes no preconditioner M (use method='lobpcg')")
+        if sigma is not None:
+            if isinstance(sigma, bool) or not isinstance(sigma, (int, float, np.integer, np.floating)) \
+                    or not np.isfinite(sigma):
+                raise ValueError(f"distlinalg.eigsh: sigma must be a finite real number (static), got {sigma!r}")
+            if method != "lanczos":
+                raise ValueError("distlinalg.eigsh: shift-invert (sigma) runs Lanczos on (A − σI)⁻¹; "
+                                 f"method must be 'lanczos', got {method!r}")
+            if which != "LM":
+                raise ValueError(f"distlinalg.eigsh: with sigma, which must be 'LM' (the eigenvalues nearest "
+                                 f"sigma, as in scipy), got {which!r}")
+        elif method == "lanczos" and M is not None:
+            raise ValueError("distlinalg.eigsh: the Lanczos method takes no preconditioner M (use method='lobpcg', "
+                             "or sigma= for shift-invert, whose inner solves M preconditions)")
         if method == "lobpcg" and which not in ("SA", "LA"):
             raise ValueError(f"distlinalg.eigsh: LOBPCG finds the algebraic ends of the spectrum, which='SA' or "
                              f"'LA', got {which!r} (use method='lanczos')")
@@ -211,14 +243,15 @@ def eigsh(
         dtype = jnp.result_type(float)
     eps = float(jnp.finfo(dtype).eps)
     relative = eps if tol is None or tol == 0 else float(tol)
-    _agree(f"k={k} which={which} method={method} ncv={basis} maxiter={cycles} tol={relative!r} n={n} "
+    shift = None if sigma is None else float(sigma)
+    _agree(f"k={k} which={which} method={method} sigma={shift!r} ncv={basis} maxiter={cycles} tol={relative!r} n={n} "
            f"layout={checked_layout} dtype={jnp.dtype(dtype).name}", comm)
     start = start_vector(template, v0, dtype, comm, checked_layout)
     # Linearised once, here (a model operator's model is evaluated once per eigensolve).
     matvec, consts = jax.closure_convert(linearise(op).matvec, start)
     preconditioner, precond_consts = ((None, []) if precond is None
                                       else jax.closure_convert(linearise(precond).matvec, start))
-    params = Params(k, which, basis, cycles, relative, checked_layout, comm, method, len(consts))
+    params = Params(k, which, basis, cycles, relative, checked_layout, comm, method, len(consts), shift)
     return _eigsh(params, matvec, preconditioner, start, *consts, *precond_consts)
 
 
@@ -242,12 +275,32 @@ def _eigsh(params: Params, matvec: Callable[..., Any], preconditioner: Callable[
            start: Any, *consts: Any) -> tuple[Any, Any, EigshInfo]:
     a_consts, m_consts = consts[:params.operator_consts], consts[params.operator_consts:]
     mv = lambda v: matvec(v, *a_consts)  # noqa: E731
+    precond = None if preconditioner is None else (lambda v: preconditioner(v, *m_consts))
     if params.method == "lobpcg":
-        precond = None if preconditioner is None else (lambda v: preconditioner(v, *m_consts))
         found = lobpcg(params, mv, precond, start)
+    elif params.sigma is not None:
+        found = lanczos(params, _shift_inverted(params, mv, precond), start)
     else:
         found = lanczos(params, mv, start)
     return _checked(params, mv, found)
+
+
+def _shift_inverted(params: Params, mv: Callable[[Any], Any], precond: Callable[[Any], Any] | None
+                    ) -> Callable[[Any], Any]:
+    """v ↦ (A − σI)⁻¹ v by MINRES (preconditioned by M), to rtol max(tol/100, 1000 ε).
+
+    Lanczos reads these products as an exact operator: the inner tolerance
+    bounds the accuracy of what it finds, so it is two orders below the
+    eigensolve's. The eigenvalues and residuals returned are A's own
+    (``_checked``: Rayleigh quotients and ‖A x − λ x‖).
+    """
+    def apply(v: Any) -> Any:
+        dtype = jnp.result_type(*jax.tree_util.tree_leaves(v))
+        rtol = max(params.tol / 100, 1000 * float(jnp.finfo(dtype).eps))
+        y, _ = minres(mv, v, shift=params.sigma, M=precond, rtol=rtol, maxiter=10_000, layout=params.layout,
+                      comm=params.comm)
+        return y
+    return apply
 
 
 def _checked(params: Params, mv: Callable[[Any], Any], found: Found) -> tuple[Any, Any, EigshInfo]:
@@ -257,7 +310,8 @@ def _checked(params: Params, mv: Callable[[Any], Any], found: Found) -> tuple[An
     real = found.theta.dtype
     quotients, residual_norms = residuals(red, mv, found.X, params.k)
     w, residual_norms = quotients.astype(real), residual_norms.astype(real)
-    order = ordering(w, params.which)
+    order = (ordering(w, params.which) if params.sigma is None
+             else jnp.argsort(jnp.abs(w - params.sigma), stable=True))  # nearest σ first
     X = jax.tree_util.tree_map(lambda Xl: Xl[order], found.X)
     converged = found.converged >= params.k
     info = EigshInfo(found.iterations, found.restarts, residual_norms[order], converged,

@@ -305,6 +305,45 @@ def test_derivatives_against_eigh(comm, size, layout, method):
     np.testing.assert_allclose(tangent, ref_grad, rtol=1e-6)
 
 
+@pytest.mark.parametrize("layout", [REPLICATED_UP_TO_TWO, "sharded"])
+def test_shift_invert_nearest_sigma_and_derivatives(comm, size, layout):
+    """sigma=σ: the k eigenvalues nearest σ (inside the spectrum), nearest first, against numpy;
+    their derivatives along A(θ) = A₀ + θ B, forward and reverse, against eigh."""
+    A0 = hermitian(seed=9)
+    sigma, k = 1.03, 3
+    w, X, info = run(A0, comm, layout, k, sigma=sigma, tol=1e-10)
+    exact = np.linalg.eigvalsh(A0)
+    nearest = exact[np.argsort(np.abs(exact - sigma))[:k]]
+    np.testing.assert_allclose(w, nearest, rtol=1e-9)
+    assert bool(info.converged) and np.all(np.asarray(info.residual_norms) < 1e-8)
+    np.testing.assert_allclose(np.abs(X @ A0 @ X.T), np.diag(np.abs(nearest)), atol=1e-8)
+    B = np.random.default_rng(10).standard_normal((N, N))
+    B = (B + B.T) / 10
+    theta = 0.2
+    values = np.linalg.eigvalsh(A0 + theta * B)
+    order = np.argsort(np.abs(values - sigma))[:k]
+    weights = jnp.arange(1.0, k + 1)
+    reference = lambda t: jnp.sum(jnp.linalg.eigh(jnp.asarray(A0) + t * jnp.asarray(B))[0][order] * weights)  # noqa: E731
+    if layout == "replicated":
+        loss = lambda t: jnp.sum(eigsh(jnp.asarray(A0) + t * jnp.asarray(B), k, sigma=sigma, comm=comm)[0] * weights)  # noqa: E731
+    else:
+        rows = rows_of(comm.Get_rank(), size)
+        A0r, Br = jnp.asarray(A0[rows]), jnp.asarray(B[rows])
+
+        def loss(t):
+            def matvec(v):
+                full = allreduce(place(v, rows, N), comm=comm)
+                return A0r @ full + t * (Br @ full)
+
+            w, _, _ = eigsh(matvec, k, v0=jnp.ones(len(rows)), layout="sharded", sigma=sigma, comm=comm)
+            return jnp.sum(w * weights)
+
+    grad = jax.jit(distlinalg.ad.grad(loss))(theta)
+    np.testing.assert_allclose(grad, jax.grad(reference)(theta), rtol=1e-7)
+    tangent = jax.jit(lambda t: jax.jvp(loss, (t,), (1.0,))[1])(theta)
+    np.testing.assert_allclose(tangent, jax.grad(reference)(theta), rtol=1e-7)
+
+
 @pytest.mark.max_ranks(2)  # replicated layout: nothing here depends on the rank count beyond 2
 def test_gradient_with_respect_to_the_matrix(comm):
     """Reverse mode with respect to a replicated matrix: the symmetric part of the gradient
@@ -334,6 +373,12 @@ def test_bad_input_raises_on_every_rank(comm, rank, size):
                        "ncv is the Lanczos basis size"),
         "M shape": (lambda: eigsh(A, 2, M=jnp.eye(N + 1 if last else N), method="lobpcg", comm=comm),
                     "does not fit"),
+        "sigma method": (lambda: eigsh(A, 2, sigma=0.5 if last else None, method="lobpcg", comm=comm),
+                         "method must be 'lanczos'"),
+        "sigma which": (lambda: eigsh(A, 2, sigma=0.5, which="SA" if last else "LM", comm=comm),
+                        "with sigma, which must be 'LM'"),
+        "sigma value": (lambda: eigsh(A, 2, sigma=float("nan") if last else 0.5, comm=comm),
+                        "sigma must be a finite real number"),
     }
     for name, (call, message) in cases.items():
         pattern = message if last else "invalid solver arguments"

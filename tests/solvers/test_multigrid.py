@@ -91,7 +91,7 @@ def test_preconditioner_is_symmetric_positive_definite(comm, rank, size):
         assert 0.5 < eig.min() and eig.max() < 1.05, (smoother, cycle, eig.min(), eig.max())
 
 
-@pytest.mark.parametrize("n", [63, 128, 257])
+@pytest.mark.parametrize("n", [63, 256])
 def test_cg_iterations_do_not_grow_with_the_grid(comm, rank, size, n):
     A = laplacian_2d(n, row_partition=uneven_partition(n, size))
     b = jnp.ones(A.input_structure.shape)
@@ -118,13 +118,16 @@ def test_every_solver_takes_it_eagerly_and_in_jit(comm, rank, size):
     np.testing.assert_allclose(whole(x, comm), expected, rtol=1e-8, atol=1e-8)
 
 
-def test_lobpcg_with_multigrid_finds_the_smallest_eigenvalues(comm, rank, size):
+def test_eigsh_with_multigrid_finds_the_smallest_eigenvalues(comm, rank, size):
+    """LOBPCG preconditioned by multigrid, and shift-invert at σ = 0 with multigrid in the inner solves."""
     n, k = 24, 4
     A = laplacian_2d(n, row_partition=uneven_partition(n, size))
-    w, _, info = dl.eigsh(A, k, which="SA", method="lobpcg", M=dl.solvers.multigrid(A), tol=1e-8)
+    M = dl.solvers.multigrid(A)
     expected = np.linalg.eigvalsh(dense_laplacian(n))[:k]
-    np.testing.assert_allclose(np.asarray(w), expected, rtol=1e-7)
-    assert bool(info.converged)
+    for options in (dict(which="SA", method="lobpcg"), dict(sigma=0.0)):
+        w, _, info = jax.jit(lambda A, M: dl.eigsh(A, k, M=M, tol=1e-8, **options))(A, M)
+        np.testing.assert_allclose(np.asarray(w), expected, rtol=1e-7)
+        assert bool(info.converged), options
 
 
 def test_derivatives_of_a_solve_do_not_see_the_preconditioner(comm, rank, size):

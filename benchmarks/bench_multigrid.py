@@ -1,0 +1,223 @@
+"""Multigrid-preconditioned CG on the 2-D Poisson problem, against plain CG and PETSc CG + GAMG.
+
+    python benchmarks/bench_multigrid.py [--n 128 500 1000 2000] [--ranks 1 2] [--plain-up-to 2000]
+
+For each grid size n (n² unknowns, ``laplacian_2d(n)``, b = 1, rtol 1e-8 on
+the true residual norm ‖b − A x‖ ≤ 1e-8 ‖b‖), in one run:
+
+* ``distlinalg mg-cg``: ``cg(A, b, M=multigrid(A))``, the multigrid setup
+  included in the time (one jitted program: build, then solve; compiled
+  first, then timed as the best of 3 runs);
+* ``distlinalg cg``: plain CG (up to n = --plain-up-to; its iteration count
+  grows like n);
+* ``PETSc CG + GAMG`` (peer): KSPCG with PCGAMG on an AIJ matrix, stopping on
+  the unpreconditioned residual norm, ``KSPSetUp`` (GAMG's setup) included in
+  the time, best of 3. It runs in its own process under its own MPI
+  (Debian's petsc4py with Open MPI: ``apt-get install python3-petsc4py``); it
+  is skipped, with the reason, where it is missing.
+
+Each rank count is one mpiexec job. The table goes to stdout (markdown) and
+benchmarks/results_multigrid.md with --write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RTOL = 1e-8
+
+
+def worker(sizes: list[int], plain_up_to: int) -> None:
+    """Inside mpiexec: time the distlinalg solves, print one JSON line per size on rank 0."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    import numpy as np
+
+    import distlinalg as dl
+    from distlinalg.operators import laplacian_2d
+
+    def with_multigrid(A, b):
+        M = dl.solvers.multigrid(A)
+        x, info = dl.cg(A, b, M=M, rtol=RTOL, maxiter=1000)
+        return x, info
+
+    def plain(A, b):
+        return dl.cg(A, b, rtol=RTOL, maxiter=100_000)
+
+    programs = {"mg-cg": jax.jit(with_multigrid), "cg": jax.jit(plain)}
+    for n in sizes:
+        A = laplacian_2d(n)
+        b = jnp.ones(A.input_structure.shape)
+        row = {"n": n, "ranks": dl.comm.size()}
+        for name, program in programs.items():
+            if name == "cg" and n > plain_up_to:
+                continue
+            start = time.perf_counter()
+            x, info = program(A, b)
+            jax.block_until_ready(x)
+            first = time.perf_counter() - start
+            times = []
+            for _ in range(3 if name == "mg-cg" else 1):
+                start = time.perf_counter()
+                x, info = program(A, b)
+                jax.block_until_ready(x)
+                times.append(time.perf_counter() - start)
+            local = np.asarray(jnp.sum((b - A @ x) ** 2))
+            residual = float(np.sqrt(dl.comm.allreduce(jnp.asarray(local)))) / n  # ‖b‖ = n
+            row[name] = {"iterations": int(info.iterations), "seconds": min(times), "compile_and_first": first,
+                         "relative_residual": residual, "converged": bool(info.converged)}
+        row["levels"] = dl.solvers.multigrid(A).levels  # on every rank: the build is collective
+        if dl.comm.rank() == 0:
+            print("RESULT " + json.dumps(row), flush=True)
+
+
+PETSC_SCRIPT = r"""
+import json, sys, time
+from petsc4py import PETSc
+n = int(sys.argv[1]); rtol = float(sys.argv[2])
+comm = PETSc.COMM_WORLD
+N = n * n
+A = PETSc.Mat().createAIJ([N, N], nnz=(5, 2), comm=comm)
+start, end = A.getOwnershipRange()
+for row in range(start, end):
+    i, j = divmod(row, n)
+    A.setValue(row, row, 4.0)
+    for (ii, jj) in ((i - 1, j), (i + 1, j), (i, j - 1), (i, j + 1)):
+        if 0 <= ii < n and 0 <= jj < n:
+            A.setValue(row, ii * n + jj, -1.0)
+A.assemble()
+b = A.createVecLeft(); b.set(1.0)
+best = None
+for _ in range(3):
+    x = A.createVecRight(); x.set(0.0)
+    ksp = PETSc.KSP().create(comm)
+    ksp.setOperators(A)
+    ksp.setType("cg")
+    ksp.getPC().setType("gamg")
+    ksp.setNormType(PETSc.KSP.NormType.UNPRECONDITIONED)
+    ksp.setTolerances(rtol=rtol, atol=0.0, max_it=10000)
+    comm.barrier()
+    t = time.perf_counter()
+    ksp.setUp()
+    ksp.solve(b, x)
+    elapsed = time.perf_counter() - t
+    best = elapsed if best is None else min(best, elapsed)
+    iterations = ksp.getIterationNumber()
+r = b.duplicate(); A.mult(x, r); r.aypx(-1.0, b)
+if comm.getRank() == 0:
+    print("RESULT " + json.dumps({"iterations": iterations, "seconds": best,
+                                  "relative_residual": r.norm() / b.norm(),
+                                  "converged": ksp.getConvergedReason() > 0}), flush=True)
+"""
+
+
+def petsc_environment() -> tuple[dict[str, str] | None, str]:
+    """(environment for Debian's petsc4py, "") or (None, why it is missing)."""
+    dirs = sorted(glob.glob("/usr/lib/petscdir/petsc*/x86_64-linux-gnu-real"))
+    if not dirs or not Path("/usr/bin/python3").exists():
+        return None, "Debian's petsc4py not installed (apt-get install python3-petsc4py)"
+    env = dict(os.environ, PETSC_DIR=dirs[-1], OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1")
+    probe = subprocess.run(["/usr/bin/python3", "-c", "from petsc4py import PETSc"], env=env, capture_output=True)
+    if probe.returncode != 0:
+        return None, "petsc4py does not import: " + probe.stderr.decode()[-200:]
+    return env, ""
+
+
+def petsc_run(n: int, ranks: int, env: dict[str, str]) -> dict:
+    script = ROOT / "build" / "bench_petsc_gamg.py"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(PETSC_SCRIPT)
+    cmd = ["/usr/bin/python3", str(script), str(n), str(RTOL)]
+    if ranks > 1:
+        cmd = ["/usr/bin/mpiexec.openmpi", "--oversubscribe", "-n", str(ranks)] + cmd
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return {"error": (out.stdout + out.stderr)[-300:]}
+
+
+def distlinalg_run(sizes: list[int], ranks: int, plain_up_to: int) -> list[dict]:
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    cmd = [str(mpiexec), "-n", str(ranks), sys.executable, __file__, "--worker", "--n", *map(str, sizes),
+           "--plain-up-to", str(plain_up_to)]
+    env = dict(os.environ, DISTLINALG_STALL="0")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=7200)
+    rows = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if len(rows) != len(sizes):
+        sys.exit(f"bench_multigrid: the {ranks}-rank job failed:\n{(out.stdout + out.stderr)[-3000:]}")
+    return rows
+
+
+def table(results: list[dict], petsc_note: str) -> str:
+    lines = [
+        "| ranks | n (unknowns) | levels | mg-cg iterations | mg-cg s (setup incl.) | cg iterations | cg s "
+        "| PETSc CG+GAMG iterations | PETSc s (setup incl.) | mg-cg / cg time | mg-cg / PETSc time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results:
+        mg, cg, petsc = row.get("mg-cg", {}), row.get("cg"), row.get("petsc")
+
+        def cell(entry, key, fmt):
+            return fmt.format(entry[key]) if entry and key in entry else "–"
+
+        ratio_cg = f"{mg['seconds'] / cg['seconds']:.3f}" if cg else "–"
+        ratio_petsc = f"{mg['seconds'] / petsc['seconds']:.2f}" if petsc and "seconds" in petsc else "–"
+        lines.append(
+            f"| {row['ranks']} | {row['n']} ({row['n'] ** 2:,}) | {row.get('levels', '–')} | {mg['iterations']} "
+            f"| {mg['seconds']:.3f} | {cell(cg, 'iterations', '{}')} | {cell(cg, 'seconds', '{:.2f}')} "
+            f"| {cell(petsc, 'iterations', '{}')} | {cell(petsc, 'seconds', '{:.3f}')} | {ratio_cg} | {ratio_petsc} |"
+        )
+    if petsc_note:
+        lines.append(f"\nPETSc: {petsc_note}.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, nargs="+", default=[128, 500, 1000, 2000])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--plain-up-to", type=int, default=2000)
+    parser.add_argument("--no-petsc", action="store_true")
+    parser.add_argument("--write", action="store_true", help="write benchmarks/results_multigrid.md")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.n, args.plain_up_to)
+        return
+    env, petsc_note = (None, "not run (--no-petsc)") if args.no_petsc else petsc_environment()
+    results = []
+    for ranks in args.ranks:
+        rows = distlinalg_run(args.n, ranks, args.plain_up_to)
+        for row in rows:
+            if env is not None:
+                row["petsc"] = petsc_run(row["n"], ranks, env)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    text = table(results, petsc_note)
+    print(text)
+    if args.write:
+        header = (ROOT / "benchmarks" / "results_multigrid.md")
+        header.write_text(
+            "# Multigrid-preconditioned CG on the 2-D Poisson problem\n\n"
+            f"`python benchmarks/bench_multigrid.py --write` ({time.strftime('%Y-%m-%d')}, this machine: "
+            f"{os.cpu_count()} cores). b = 1, rtol 1e-8 on the true residual; times are the best of 3 "
+            "runs after compilation, setup included (multigrid's build; PETSc's KSPSetUp with GAMG). "
+            "PETSc: Debian's PETSc 3.18 with Open MPI, KSPCG + PCGAMG, unpreconditioned norm.\n\n"
+            + text + "\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
