@@ -298,6 +298,10 @@ class SR:
       mode: ``"real"``, ``"complex"``, ``"holomorphic"`` or None for NetKet's
         choice (real for real parameters with real output, complex otherwise).
       chunk_size: samples per chunk when linearising the model (memory).
+      preconditioner: of the CG/MINRES solve: None, ``"nystrom"`` (a
+        randomized Nyström preconditioner of rank 100) or a hashable callable
+        ``operator -> M`` (e.g. ``functools.partial(distlinalg.solvers.nystrom,
+        rank=300)``); see :func:`distlinalg.natural_gradient`.
       hamiltonian: only for a vstate that is not a :class:`MCState`.
       comm: mpi4py intracommunicator (default: the :class:`MCState`'s, else
         distlinalg's).
@@ -332,12 +336,13 @@ class SR:
 
     def __init__(self, diag_shift: Any = 0.01, *, space: str = "auto", solver: str = "cg",
                  rtol: float | None = None, maxiter: int | None = None, mode: str | None = None,
-                 chunk_size: int | None = None, hamiltonian: Any = None, comm: Any = None):
+                 chunk_size: int | None = None, hamiltonian: Any = None, comm: Any = None,
+                 preconditioner: Any = None):
         self.diag_shift = diag_shift
         self.hamiltonian = hamiltonian
         self.comm = None if comm is None else resolve_comm(comm)
         options = {"space": space, "solver": solver, "rtol": rtol, "maxiter": maxiter, "mode": mode,
-                   "chunk_size": chunk_size}
+                   "chunk_size": chunk_size, "preconditioner": preconditioner}
         # Unset options keep natural_gradient's defaults; the rest is static
         # (hashable) so that the jitted update compiles once.
         self._options = tuple(sorted((k, v) for k, v in options.items() if v is not None))

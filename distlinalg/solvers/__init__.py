@@ -22,8 +22,9 @@ from .minres import minres
 from .natural_gradient import natural_gradient
 from .chebyshev import ChebyshevPreconditioner, chebyshev
 from .multigrid import Multigrid, multigrid
+from .nystrom import NystromPreconditioner, nystrom
 from .preconditioners import jacobi
 
-__all__ = ["cg", "minres", "gmres", "bicgstab", "eigsh", "natural_gradient", "jacobi", "chebyshev", "multigrid",
-           "ChebyshevPreconditioner", "Multigrid", "Reason", "SolverInfo",
+__all__ = ["cg", "minres", "gmres", "bicgstab", "eigsh", "natural_gradient", "jacobi", "chebyshev", "multigrid", "nystrom",
+           "ChebyshevPreconditioner", "Multigrid", "NystromPreconditioner", "Reason", "SolverInfo",
            "EigshInfo"]

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg
+import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from .._mpi import resolve_comm
@@ -89,20 +90,38 @@ def _dense_solve(matrix: jax.Array, rhs: jax.Array) -> tuple[jax.Array, SolverIn
     return x, info
 
 
-def _krylov(solver: Any, operator: Any, rhs: Any, rtol: Any, atol: Any, maxiter: Any):
+NYSTROM_RANK = 100  # preconditioner="nystrom": the sketch size (at most the system's size)
+
+
+def _krylov(solver: Any, operator: Any, rhs: Any, rtol: Any, atol: Any, maxiter: Any, preconditioner: Any = None):
     if callable(solver):
         return solver(operator, rhs)
     method = cg if solver == "cg" else minres
-    return method(operator, rhs, rtol=rtol, atol=atol, maxiter=maxiter)
+    return method(operator, rhs, rtol=rtol, atol=atol, maxiter=maxiter, M=_preconditioner(preconditioner, operator))
 
 
-def parameter_space_update(point, e, *, diag_shift, solver, rtol, atol, maxiter, centred_input):
+def _preconditioner(preconditioner: Any, operator: Any) -> Any:
+    """M for the Krylov solve of `operator` (S + λ or T + λ, the shift inside): None, "nystrom"
+    (a rank-NYSTROM_RANK sketch, or the whole system where it is smaller), or a callable of the operator."""
+    if preconditioner is None:
+        return None
+    if callable(preconditioner):
+        return preconditioner(operator)
+    from .nystrom import nystrom  # noqa: PLC0415 - beside its one use
+
+    leaves = operator.in_structure.leaves
+    local = sum(int(np.prod(leaf.shape)) for leaf in leaves) * (2 if operator.real_linear else 1)
+    size = local if operator.layout == "replicated" else Partition.of_local_sizes(local, operator.comm).total
+    return nystrom(operator, rank=min(NYSTROM_RANK, size))
+
+
+def parameter_space_update(point, e, *, diag_shift, solver, rtol, atol, maxiter, centred_input, preconditioner=None):
     """(S + λ) δ = F, δ shaped like params; the model linearised once for both."""
     S = linearise(GramOperator(point=point, diag_shift=diag_shift))
     model = S.linearisation
     F = model.from_space(force(model, e, centred_input))
     if solver != "cholesky":
-        return _krylov(solver, S, F, rtol, atol, maxiter)
+        return _krylov(solver, S, F, rtol, atol, maxiter, preconditioner)
     if model.sharded_params:
         raise ValueError(f"{_NAME}: solver='cholesky' needs replicated parameters")
     if model.communicates:  # no per-sample rows: S column by column
@@ -127,13 +146,13 @@ def dense_gram(model: Jacobian, diag_shift: Any) -> jax.Array:
     return S / model.n_total + diag_shift * jnp.eye(S.shape[0], dtype=S.dtype)
 
 
-def sample_space_update(point, e, *, diag_shift, solver, rtol, atol, maxiter):
+def sample_space_update(point, e, *, diag_shift, solver, rtol, atol, maxiter, preconditioner=None):
     """(T + λ) x = ē over the samples (sharded), then δ = Ōᴴ x / N; the model linearised once."""
     T = linearise(SampleGramOperator(point=point, diag_shift=diag_shift))
     model = T.linearisation
     rhs = jnp.reshape(e, point.sample_structure.shape)
     if solver != "cholesky":
-        x, info = _krylov(solver, T, rhs, rtol, atol, maxiter)
+        x, info = _krylov(solver, T, rhs, rtol, atol, maxiter, preconditioner)
     else:
         flat_rhs = jnp.reshape(rhs, (-1,))
         whole = Partition.of_local_sizes(flat_rhs.shape[0], point.comm).allgather(flat_rhs, point.comm)
@@ -162,6 +181,7 @@ def natural_gradient(
     chunk_size: int | None = None,
     comm: Any = None,
     sharded_params: bool = False,
+    preconditioner: Any = None,
 ) -> tuple[Any, SolverInfo]:
     """The natural-gradient (SR) update δ = (S + λ I)⁻¹ F over every rank's samples.
 
@@ -202,6 +222,12 @@ def natural_gradient(
       comm: communicator (default distlinalg's).
       sharded_params: params are this rank's block (vectors in parameter
         space are sharded; the update is this rank's block).
+      preconditioner: of the "cg"/"minres" solve: None, "nystrom" (a
+        randomized Nyström preconditioner of rank 100, or of the system's
+        size where it is smaller: :func:`distlinalg.solvers.nystrom`, built
+        from 100 products of the system, once per update), or a callable
+        ``operator -> M`` (e.g. ``lambda S: dl.solvers.nystrom(S, rank=300)``;
+        the operator holds λ). A constant of the solve under AD.
 
     Returns:
       ``(update, info)``: δ shaped like params, identical on every rank
@@ -240,6 +266,12 @@ def natural_gradient(
         raise ValueError(f"{_NAME}: space must be one of {SPACES}, got {space!r}")
     if not (callable(solver) or solver in SOLVERS):
         raise ValueError(f"{_NAME}: solver must be one of {SOLVERS} or a callable, got {solver!r}")
+    if preconditioner is not None and not (callable(preconditioner) or preconditioner == "nystrom"):
+        raise ValueError(f"{_NAME}: preconditioner must be None, 'nystrom' or a callable operator -> M, "
+                         f"got {preconditioner!r}")
+    if preconditioner is not None and (callable(solver) or solver == "cholesky"):
+        raise ValueError(f"{_NAME}: a preconditioner is for solver='cg' or 'minres' (a callable solver takes "
+                         "its own M; 'cholesky' needs none)")
     model = ModelPoint.build(f, params, samples, mode=mode, center=center, chunk_size=chunk_size, comm=comm,
                              sharded_params=sharded_params, where=_NAME)
 
@@ -260,5 +292,6 @@ def natural_gradient(
     chosen = choose_space(model, space)
     if chosen == "parameters":
         return parameter_space_update(model, e, diag_shift=diag_shift, solver=solver, rtol=rtol, atol=atol,
-                                      maxiter=maxiter, centred_input=center)
-    return sample_space_update(model, e, diag_shift=diag_shift, solver=solver, rtol=rtol, atol=atol, maxiter=maxiter)
+                                      maxiter=maxiter, centred_input=center, preconditioner=preconditioner)
+    return sample_space_update(model, e, diag_shift=diag_shift, solver=solver, rtol=rtol, atol=atol, maxiter=maxiter,
+                               preconditioner=preconditioner)
