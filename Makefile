@@ -8,6 +8,7 @@
 #   make netket  NetKet into .venv (pyproject's [netket] extra; test and demo need it)
 #   make lineax  lineax and optimistix into .venv (pyproject's [lineax] extra; test needs it)
 #   make scalapack  Intel MKL (ScaLAPACK) into .venv (pyproject's [scalapack] extra; test needs it)
+#   make pyamg      pyamg into .venv (pyproject's [pyamg] extra: block_jacobi's local AMG; test needs it)
 #   make test-mpi4jax   mpi4jax 0.9.1's own test suite against distlinalg.mpi4jax
 #   make test-scale     the collective, solver and operator suites at 4 and 8 ranks
 #   make docs    the documentation (Sphinx, pyproject's [docs] extra) into build/docs/html,
@@ -39,7 +40,7 @@ endif
 BUILD_DEPS := "scikit-build-core>=0.10" "cmake>=3.18" "nanobind>=2.0" "jax>=0.5.0" numpy
 TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib "hypothesis>=6"
 
-.PHONY: setup netket lineax scalapack docs test test-scale test-mpi4jax test-cuda-emulation test-cuda-compile test-cpu-only-build demo clean bench
+.PHONY: setup netket lineax scalapack pyamg docs test test-scale test-mpi4jax test-cuda-emulation test-cuda-compile test-cpu-only-build demo clean bench
 
 setup: $(STAMP)
 
@@ -62,10 +63,12 @@ endif
 #             on jax 0.10)
 #   [lineax]  distlinalg.lineax, tests/adapters/test_lineax.py (lineax and optimistix)
 #   [scalapack]  MKL for distlinalg.linalg's ScaLAPACK engine, tests/linalg/test_scalapack_engine.py
+#   [pyamg]   distlinalg.solvers.block_jacobi(local="amg"), tests/solvers/test_block_jacobi.py
 #   [docs]    make docs (Sphinx and myst-parser)
 NETKET_STAMP := $(VENV)/.netket-installed
 LINEAX_STAMP := $(VENV)/.lineax-installed
 SCALAPACK_STAMP := $(VENV)/.scalapack-installed
+PYAMG_STAMP := $(VENV)/.pyamg-installed
 DOCS_STAMP := $(VENV)/.docs-installed
 
 # $(call install_extra,NAME): pip install pyproject's [NAME] extra with jax/jaxlib pinned.
@@ -80,6 +83,7 @@ endef
 netket: $(NETKET_STAMP)
 lineax: $(LINEAX_STAMP)
 scalapack: $(SCALAPACK_STAMP)
+pyamg: $(PYAMG_STAMP)
 
 $(NETKET_STAMP): $(STAMP) pyproject.toml
 	$(call install_extra,netket)
@@ -91,6 +95,10 @@ $(LINEAX_STAMP): $(STAMP) pyproject.toml
 
 $(SCALAPACK_STAMP): $(STAMP) pyproject.toml
 	$(call install_extra,scalapack)
+	@touch $@
+
+$(PYAMG_STAMP): $(STAMP) pyproject.toml
+	$(call install_extra,pyamg)
 	@touch $@
 
 $(DOCS_STAMP): $(STAMP) pyproject.toml
@@ -111,13 +119,14 @@ docs: setup $(NETKET_STAMP) $(LINEAX_STAMP) $(DOCS_STAMP)
 	  $(BIN)/python tests/run_mpi.py --mpiexec-only -n $$n -- $(BIN)/python docs/run_doctests.py || exit 1; \
 	done
 
-# WITH_NETKET=0 / WITH_LINEAX=0 / WITH_SCALAPACK=0: run without that extra (its tests skip),
+# WITH_NETKET=0 / WITH_LINEAX=0 / WITH_SCALAPACK=0 / WITH_PYAMG=0: run without that extra (its tests skip),
 # e.g. CI's second MPI family.
 WITH_NETKET ?= 1
 WITH_LINEAX ?= 1
 WITH_SCALAPACK ?= 1
+WITH_PYAMG ?= 1
 test: setup $(if $(filter 1,$(WITH_NETKET)),$(NETKET_STAMP)) $(if $(filter 1,$(WITH_LINEAX)),$(LINEAX_STAMP)) \
-		$(if $(filter 1,$(WITH_SCALAPACK)),$(SCALAPACK_STAMP))
+		$(if $(filter 1,$(WITH_SCALAPACK)),$(SCALAPACK_STAMP)) $(if $(filter 1,$(WITH_PYAMG)),$(PYAMG_STAMP))
 	$(BIN)/python tests/run_mpi.py --ranks $(RANKS) $(RUN_MPI_ARGS) -- $(PYTEST_ARGS)
 	$(MAKE) test-cuda-emulation
 

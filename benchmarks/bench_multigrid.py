@@ -81,6 +81,59 @@ def worker(sizes: list[int], plain_up_to: int) -> None:
             print("RESULT " + json.dumps(row), flush=True)
 
 
+def eigsh_worker(n: int, k: int) -> None:
+    """Inside mpiexec: the k smallest eigenvalues of laplacian_2d(n), LOBPCG + multigrid and
+    shift-invert (σ = 0) + multigrid, each compiled first, then timed once; rank 0 prints."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    import numpy as np
+
+    import distlinalg as dl
+    from distlinalg.operators import laplacian_2d
+
+    A = laplacian_2d(n)
+    p, q = np.meshgrid(np.arange(1, n + 1), np.arange(1, n + 1))
+    exact = np.sort((4 - 2 * np.cos(np.pi * p / (n + 1)) - 2 * np.cos(np.pi * q / (n + 1))).ravel())[:k]
+    runs = {
+        "lobpcg+mg": jax.jit(lambda A: dl.eigsh(A, k, method="lobpcg", M=dl.solvers.multigrid(A), tol=1e-6)),
+        "shift-invert+mg": jax.jit(lambda A: dl.eigsh(A, k, sigma=0.0, M=dl.solvers.multigrid(A), tol=1e-6)),
+    }
+    row = {"n": n, "k": k, "ranks": dl.comm.size()}
+    for name, program in runs.items():
+        start = time.perf_counter()
+        w, _, info = program(A)
+        jax.block_until_ready(w)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        w, _, info = program(A)
+        jax.block_until_ready(w)
+        row[name] = {"seconds": time.perf_counter() - start, "compile_and_first": first,
+                     "iterations": int(info.iterations), "converged": bool(info.converged),
+                     "max_relative_error": float(np.max(np.abs(np.asarray(w) - exact) / exact))}
+    if dl.comm.rank() == 0:
+        print("RESULT " + json.dumps(row), flush=True)
+
+
+def scipy_lobpcg_pyamg(n: int, k: int) -> dict:
+    """scipy's lobpcg with a pyamg smoothed-aggregation preconditioner (the SciPy user's way), one process."""
+    try:
+        import pyamg
+    except ImportError:
+        return {"error": "pyamg not installed (pip install pyamg)"}
+    import numpy as np
+    import scipy.sparse as sp
+    from scipy.sparse.linalg import lobpcg
+
+    T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(n, n))
+    A = (sp.kron(sp.eye(n), T) + sp.kron(T, sp.eye(n))).tocsr()
+    start = time.perf_counter()
+    M = pyamg.smoothed_aggregation_solver(A).aspreconditioner()
+    X = np.random.default_rng(0).standard_normal((n * n, k))
+    w, _ = lobpcg(A, X, M=M, tol=1e-6 * 8, largest=False, maxiter=200)
+    return {"seconds": time.perf_counter() - start, "eigenvalues": np.sort(w).tolist()}
+
+
 PETSC_SCRIPT = r"""
 import json, sys, time
 from petsc4py import PETSc
@@ -191,10 +244,26 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--plain-up-to", type=int, default=2000)
     parser.add_argument("--no-petsc", action="store_true")
+    parser.add_argument("--eigsh", type=int, default=0, metavar="K",
+                        help="instead: the K smallest eigenvalues at the first --n (LOBPCG and shift-invert, "
+                             "with multigrid; scipy lobpcg + pyamg as the peer)")
     parser.add_argument("--write", action="store_true", help="write benchmarks/results_multigrid.md")
     args = parser.parse_args()
+    if args.worker and args.eigsh:
+        eigsh_worker(args.n[0], args.eigsh)
+        return
     if args.worker:
         worker(args.n, args.plain_up_to)
+        return
+    if args.eigsh:
+        mpiexec = Path(sys.executable).parent / "mpiexec"
+        for ranks in args.ranks:
+            out = subprocess.run([str(mpiexec), "-n", str(ranks), sys.executable, __file__, "--worker", "--eigsh",
+                                  str(args.eigsh), "--n", str(args.n[0])], capture_output=True, text=True,
+                                 env=dict(os.environ, DISTLINALG_STALL="0"), timeout=3600)
+            lines = [line[7:] for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+            print(lines[0] if lines else (out.stdout + out.stderr)[-3000:], flush=True)
+        print(json.dumps({"scipy lobpcg + pyamg (1 process)": scipy_lobpcg_pyamg(args.n[0], args.eigsh)}))
         return
     env, petsc_note = (None, "not run (--no-petsc)") if args.no_petsc else petsc_environment()
     results = []

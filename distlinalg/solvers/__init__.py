@@ -20,11 +20,12 @@ from .eigsh import EigshInfo, eigsh
 from .gmres import gmres
 from .minres import minres
 from .natural_gradient import natural_gradient
+from .block_jacobi import BlockJacobi, block_jacobi
 from .chebyshev import ChebyshevPreconditioner, chebyshev
 from .multigrid import Multigrid, multigrid
 from .nystrom import NystromPreconditioner, nystrom
 from .preconditioners import jacobi
 
-__all__ = ["cg", "minres", "gmres", "bicgstab", "eigsh", "natural_gradient", "jacobi", "chebyshev", "multigrid", "nystrom",
-           "ChebyshevPreconditioner", "Multigrid", "NystromPreconditioner", "Reason", "SolverInfo",
+__all__ = ["cg", "minres", "gmres", "bicgstab", "eigsh", "natural_gradient", "jacobi", "chebyshev", "multigrid", "nystrom", "block_jacobi",
+           "BlockJacobi", "ChebyshevPreconditioner", "Multigrid", "NystromPreconditioner", "Reason", "SolverInfo",
            "EigshInfo"]

@@ -119,6 +119,7 @@ def test_every_solver_takes_it_eagerly_and_in_jit(comm, rank, size):
         np.testing.assert_allclose(whole(x, comm), expected, rtol=1e-8, atol=1e-8)
 
 
+@pytest.mark.max_ranks(2)  # the eigensolvers' own suite covers 3 ranks; here the preconditioner is the point
 def test_eigsh_with_multigrid_finds_the_smallest_eigenvalues(comm, rank, size):
     """LOBPCG preconditioned by multigrid, and shift-invert at σ = 0 with multigrid in the inner solves."""
     n, k = 24, 4
@@ -173,6 +174,7 @@ def test_stencil_2d_matches_its_dense_matrix_and_transposes(comm, rank, size):
     assert local.shape == (rows * nx,)
 
 
+@pytest.mark.max_ranks(2)  # no message of its own: nothing depends on the rank count beyond 2
 def test_chebyshev_preconditioner(comm, rank, size):
     n = 24
     A = laplacian_2d(n, row_partition=uneven_partition(n, size))

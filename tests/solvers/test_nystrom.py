@@ -22,6 +22,7 @@ def decaying(seed=0, n=N):
     return (Q * 0.5 ** np.arange(n)) @ Q.T
 
 
+@pytest.mark.max_ranks(2)  # replicated: nothing depends on the rank count beyond 2
 def test_dense_formula_and_iterations_replicated(comm):
     A, mu, rank = decaying(), 1e-4, 20
     M = dl.solvers.nystrom(jnp.asarray(A), rank=rank, shift=mu, comm=comm)
@@ -54,7 +55,8 @@ def counts_of(size):
     return [6 + 3 * r for r in range(size)]  # uneven on purpose
 
 
-@pytest.mark.parametrize("space", ["samples", "parameters"])
+# Parameter space is the replicated layout (no message of Nyström's own): up to 2 ranks.
+@pytest.mark.parametrize("space", ["samples", pytest.param("parameters", marks=pytest.mark.max_ranks(2))])
 @pytest.mark.parametrize("model", ["real", "complex"])
 def test_natural_gradient_with_nystrom_equals_the_plain_update(comm, rank, size, space, model):
     """In sample space (sharded, uneven counts) and parameter space (replicated), real and
