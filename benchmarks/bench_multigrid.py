@@ -167,9 +167,9 @@ for _ in range(3):
     best = elapsed if best is None else min(best, elapsed)
     iterations = ksp.getIterationNumber()
 r = b.duplicate(); A.mult(x, r); r.aypx(-1.0, b)
+relative = r.norm() / b.norm()  # collective: on every rank, before rank 0 prints
 if comm.getRank() == 0:
-    print("RESULT " + json.dumps({"iterations": iterations, "seconds": best,
-                                  "relative_residual": r.norm() / b.norm(),
+    print("RESULT " + json.dumps({"iterations": iterations, "seconds": best, "relative_residual": relative,
                                   "converged": ksp.getConvergedReason() > 0}), flush=True)
 """
 
@@ -274,6 +274,12 @@ def main() -> None:
                 row["petsc"] = petsc_run(row["n"], ranks, env)
             results.append(row)
             print(json.dumps(row), flush=True)
+    if args.write:  # merged with earlier runs' rows (by rank count and n): a run may cover some of them
+        store = ROOT / "benchmarks" / "data" / "multigrid.json"
+        kept = {(r["ranks"], r["n"]): r for r in (json.loads(store.read_text()) if store.exists() else [])}
+        kept.update({(r["ranks"], r["n"]): r for r in results})
+        results = [kept[key] for key in sorted(kept)]
+        store.write_text(json.dumps(results, indent=1) + "\n")
     text = table(results, petsc_note)
     print(text)
     if args.write:

@@ -363,6 +363,32 @@ def collectively(build: Callable[[], Any], comm: Communicator) -> Any:
     return value
 
 
+def agree_options(where: str, problem: str, signature: str, comm: Communicator) -> None:
+    """A preconditioner's options, checked on every rank together, before it sends anything.
+
+    `problem`: what is wrong with this rank's options ("" when nothing);
+    `signature`: a text of the options that steer its build and its messages
+    (they must be the same on every rank). One exchange (at trace time, like
+    `collectively`'s): a rank with a problem raises its own ValueError, the
+    others one naming it and its message; options that differ between ranks
+    raise the same ValueError, naming every rank's, on every rank.
+    """
+    if comm.size == 1 or not _exchanges_allowed():
+        if problem:
+            raise ValueError(f"{where}: {problem}")
+        return
+    messages = _exchange_messages(("!" + problem) if problem else signature, comm)
+    if problem:
+        raise ValueError(f"{where}: {problem}")
+    failed = [r for r, message in enumerate(messages) if message.startswith("!")]
+    if failed:
+        details = "; ".join(f"rank {r}: {messages[r][1:]}" for r in failed)
+        raise ValueError(f"{where}: invalid options on rank(s) {failed} ({details})")
+    if any(message != messages[0] for message in messages):
+        details = "; ".join(f"rank {r}: {message}" for r, message in enumerate(messages))
+        raise ValueError(f"{where}: the ranks passed different options ({details}); every rank must pass the same")
+
+
 def _exchange_messages(message: str, comm: Communicator) -> list[str]:
     """Every rank's `message` (cut to 255 bytes), on every rank, at trace time."""
     data = message.encode()[: _MESSAGE_BYTES - 1]

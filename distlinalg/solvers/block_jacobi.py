@@ -31,6 +31,7 @@ from ..operators._partition import exchange_rows
 from ..operators.dense import DenseRowsOperator
 from ..operators.sparse import SparseRowsOperator
 from ..operators.stencil import Laplacian2D, Stencil2D
+from ._arguments import agree_options
 from .chebyshev import chebyshev_polynomial
 
 LOCAL_SOLVERS = ("cholesky", "amg")
@@ -246,15 +247,11 @@ def block_jacobi(A: Any, *, local: str | None = None) -> BlockJacobi:
                         f"(sparse_rows, dense_rows, laplacian_2d, stencil_2d); got {type(A).__name__}")
     comm = A.comm
     rows, cols, values, size = diagonal_block(A)
-    code = LOCAL_SOLVERS.index(local) if local in LOCAL_SOLVERS else (-2 if local is None else -1)
-    table = exchange_rows(np.asarray([code, size], np.int64), comm)
-    if np.any(table[:, 0] == -1):
-        raise ValueError(f"distlinalg.solvers.block_jacobi: local must be None or one of {LOCAL_SOLVERS}; rank(s) "
-                         f"{np.flatnonzero(table[:, 0] == -1).tolist()} passed another value")
-    if np.any(table[:, 0] != table[0, 0]):
-        raise ValueError("distlinalg.solvers.block_jacobi: the ranks passed different local solvers; every rank "
-                         "must pass the same")
-    chosen = local or ("cholesky" if int(table[:, 1].max()) <= CHOLESKY_UP_TO else "amg")
+    problem = "" if local is None or local in LOCAL_SOLVERS else \
+        f"local must be None or one of {LOCAL_SOLVERS}, got {local!r}"
+    agree_options("distlinalg.solvers.block_jacobi", problem, f"local={local!r}", comm)
+    largest = int(exchange_rows(np.asarray([size], np.int64), comm)[:, 0].max())
+    chosen = local or ("cholesky" if largest <= CHOLESKY_UP_TO else "amg")
     dtype = jnp.result_type(values)
     values = jax.lax.stop_gradient(values)
     if chosen == "cholesky":

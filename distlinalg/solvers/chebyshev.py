@@ -33,7 +33,7 @@ import numpy as np
 
 from .._mpi import Communicator, resolve_comm
 from ..operators import LinearOperator, aslinearoperator, linearise, operator_class, static
-from ..operators._partition import exchange_rows
+from ._arguments import agree_options
 from ._common import Reductions
 from ._vectors import axpy, scale
 
@@ -230,29 +230,14 @@ def _check_options(degree: Any, bounds: Any, comm: Communicator) -> None:
     problem = ""
     if not isinstance(degree, (int, np.integer)) or isinstance(degree, bool) or degree < 1:
         problem = f"degree must be an int >= 1, got {degree!r}"
-        degree_code = -1
-    else:
-        degree_code = int(degree)
-    lo_hi = (np.nan, np.nan)
-    if bounds is not None and not problem:
+    elif bounds is not None:
         try:
-            lo_hi = (float(bounds[0]), float(bounds[1]))
+            lo, hi = (float(bounds[0]), float(bounds[1]))
             if len(bounds) != 2:
                 raise ValueError
         except (TypeError, ValueError, IndexError):
             problem = f"bounds must be None or a pair (lo, hi) of numbers, got {bounds!r}"
         else:
-            if not (0 < lo_hi[0] < lo_hi[1]):
-                problem = f"bounds must satisfy 0 < lo < hi, got lo={lo_hi[0]!r}, hi={lo_hi[1]!r}"
-    words = np.asarray([degree_code, bool(problem), bounds is None,
-                        *np.asarray(lo_hi, np.float64).view(np.int64)], np.int64)
-    table = exchange_rows(words, comm)
-    if np.all(table == table[0]) and problem:
-        raise ValueError(f"distlinalg.solvers.chebyshev: {problem}")  # every rank passed the same
-    if np.any(table[:, 1]):
-        bad = [r for r in range(comm.size) if table[r, 1]]
-        raise ValueError(f"distlinalg.solvers.chebyshev: rank(s) {bad} passed bad options (degree an int "
-                         ">= 1; bounds None or a pair 0 < lo < hi)")
-    if np.any(table != table[0]):
-        raise ValueError("distlinalg.solvers.chebyshev: the ranks passed different degrees or bounds; every "
-                         "rank must pass the same")
+            if not (0 < lo < hi):
+                problem = f"bounds must satisfy 0 < lo < hi, got lo={lo!r}, hi={hi!r}"
+    agree_options("distlinalg.solvers.chebyshev", problem, f"degree={degree!r} bounds={bounds!r}", comm)

@@ -31,11 +31,11 @@ The hierarchy (built once, by :func:`multigrid`):
   inner products: a V-cycle's messages are halo rows, plus one allgather of
   the coarsest grid.
 
-The cycle (V, or W: the coarse correction twice) pre-smooths, corrects from
-the coarse level, and post-smooths with the same polynomial, so the
-preconditioner is symmetric (positive definite for symmetric positive
+The cycle (W by default: the coarse correction twice; or V) pre-smooths,
+corrects from the coarse level, and post-smooths with the same polynomial, so
+the preconditioner is symmetric (positive definite for symmetric positive
 definite A): CG takes it. On the 2-D Laplacian, CG with it reaches rtol
-1e-8 in 7-9 iterations from n = 31 to n = 2000 (benchmarks/results_multigrid.md).
+1e-8 in 5-6 iterations from n = 128 to n = 2000 (benchmarks/results_multigrid.md).
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ import numpy as np
 from .._mpi import Communicator, ReduceOp
 from ..comm.allreduce import allreduce
 from ..operators import LinearOperator, linearise, operator_class, static
-from ..operators._partition import Partition, exchange_rows
+from ..operators._partition import Partition
 from ..operators.stencil import Stencil2D, StencilGrid, apply_stencil, grid_neighbours, halo_rows
+from ._arguments import agree_options
 from .chebyshev import chebyshev_polynomial
 
 COARSEST_POINTS = 256  # coarsen until the grid has at most this many points (its LU: 11 MFlop at setup)
@@ -229,7 +230,7 @@ class Multigrid(LinearOperator):
     grids: tuple = static()
     smoother: str = static(default="chebyshev")
     degree: int = static(default=2)
-    cycle: str = static(default="V")
+    cycle: str = static(default="W")
 
     layout = "sharded"
     symmetric = True
@@ -292,7 +293,7 @@ class Multigrid(LinearOperator):
         return x[start * nx : end * nx]
 
 
-def multigrid(A: Any, *, levels: int | None = None, smoother: str = "chebyshev", cycle: str = "V",
+def multigrid(A: Any, *, levels: int | None = None, smoother: str = "chebyshev", cycle: str = "W",
               degree: int = 2) -> Multigrid:
     """A geometric multigrid preconditioner for a stencil operator on a 2-D grid (:func:`laplacian_2d`).
 
@@ -307,7 +308,14 @@ def multigrid(A: Any, *, levels: int | None = None, smoother: str = "chebyshev",
         the grid has at most 256 points). The coarsest is solved directly
         on every rank, so it may have at most 4096 points.
       smoother: "chebyshev" (default) or "jacobi" (damped, weight 4/(3·hi)).
-      cycle: "V" (default) or "W".
+      cycle: "W" (default) or "V". On grids of 2^k − 1 points per side both
+        keep CG at 6 iterations (rtol 1e-8) from n = 127 to 2047. Other sizes
+        coarsen with one coarse spacing of h at an edge, and there the V-cycle
+        lets the count grow (6 at n = 128, 11 at n = 2000) where the W-cycle
+        keeps it at 5-6, in the same time per solve on 1 and 2 ranks
+        (benchmarks/results_multigrid.md). The W-cycle visits level ℓ 2^ℓ
+        times: more, smaller messages on the coarse levels, which "V" saves
+        where latency dominates.
       degree: the smoother's degree (Chebyshev) or sweeps (Jacobi), before
         and after the coarse correction; d − 1 matvecs each for Chebyshev.
 
@@ -407,18 +415,5 @@ def _check_options(levels: Any, smoother: Any, cycle: Any, degree: Any, comm: Co
         problems.append(f"cycle must be one of {CYCLES}, got {cycle!r}")
     if not isinstance(degree, (int, np.integer)) or isinstance(degree, bool) or degree < 1:
         problems.append(f"degree must be an int >= 1, got {degree!r}")
-    code = lambda value, choices: choices.index(value) if value in choices else -1  # noqa: E731
-    words = np.asarray([
-        bool(problems), -2 if levels is None else (int(levels) if not problems else -1),
-        code(smoother, SMOOTHERS), code(cycle, CYCLES), int(degree) if isinstance(degree, (int, np.integer)) else -1,
-    ], np.int64)
-    table = exchange_rows(words, comm)
-    if problems and np.all(table == table[0]):
-        raise ValueError("distlinalg.solvers.multigrid: " + "; ".join(problems))
-    if np.any(table[:, 0]):
-        bad = [r for r in range(comm.size) if table[r, 0]]
-        raise ValueError(f"distlinalg.solvers.multigrid: rank(s) {bad} passed bad options (levels None or an "
-                         f"int >= 1, smoother in {SMOOTHERS}, cycle in {CYCLES}, degree an int >= 1)")
-    if np.any(table != table[0]):
-        raise ValueError("distlinalg.solvers.multigrid: the ranks passed different levels, smoother, cycle or "
-                         "degree; every rank must pass the same")
+    agree_options("distlinalg.solvers.multigrid", "; ".join(problems),
+                  f"levels={levels!r} smoother={smoother!r} cycle={cycle!r} degree={degree!r}", comm)

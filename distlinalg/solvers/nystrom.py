@@ -36,6 +36,7 @@ from .._trees import join_complex, split_complex
 from ..comm.allreduce import allreduce
 from ..operators import LinearOperator, aslinearoperator, linearise, operator_class, static
 from ..operators._partition import exchange_rows
+from ._arguments import agree_options
 
 
 @operator_class
@@ -188,11 +189,4 @@ def _check_options(rank: Any, shift: Any, total: int, comm: Communicator) -> Non
         problem = f"rank must be an int with 1 <= rank <= {total} (the operator's size), got {rank!r}"
     elif not isinstance(shift, jax.core.Tracer) and float(np.real(shift)) < 0:
         problem = f"shift must be >= 0, got {shift!r}"
-    table = exchange_rows(np.asarray([bool(problem), int(rank) if not problem else -1], np.int64), comm)
-    if problem and np.all(table == table[0]):
-        raise ValueError(f"distlinalg.solvers.nystrom: {problem}")
-    if np.any(table[:, 0]):
-        raise ValueError(f"distlinalg.solvers.nystrom: rank(s) {np.flatnonzero(table[:, 0]).tolist()} passed bad "
-                         f"options (rank an int in [1, {total}], shift >= 0)")
-    if np.any(table != table[0]):
-        raise ValueError("distlinalg.solvers.nystrom: the ranks passed different ranks; every rank must pass the same")
+    agree_options("distlinalg.solvers.nystrom", problem, f"rank={rank!r}", comm)

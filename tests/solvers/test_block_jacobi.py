@@ -85,6 +85,6 @@ def test_bad_input_raises_on_every_rank(comm, rank, size):
     ]
     if size > 1:
         cases.append((lambda: dl.solvers.block_jacobi(A, local="amg" if rank else "cholesky"),
-                      "different local solvers"))
+                      "passed different options"))
     for fn, pattern in cases:
         assert_no_failures(failure_of(fn, pattern), comm)

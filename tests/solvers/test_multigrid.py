@@ -211,7 +211,7 @@ def test_bad_input_raises_on_every_rank(comm, rank, size):
         (lambda: dl.solvers.multigrid(A, smoother="sor"), "smoother must be one of"),
         (lambda: dl.solvers.multigrid(A, cycle="F"), "cycle must be one of"),
         (lambda: dl.solvers.multigrid(A, degree=2 + (rank == size - 1) * (size > 1)),
-         "different levels, smoother, cycle or degree" if size > 1 else None),
+         "passed different options" if size > 1 else None),
         (lambda: dl.solvers.chebyshev(A, degree=0), "degree must be an int >= 1"),
         (lambda: dl.solvers.chebyshev(A, bounds=(2.0, 1.0)), "0 < lo < hi"),
         (lambda: dl.cg(laplacian_2d(12), jnp.ones(laplacian_2d(12).input_structure.shape),

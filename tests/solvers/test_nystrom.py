@@ -116,6 +116,6 @@ def test_bad_input_raises_on_every_rank(comm, rank, size):
          "a preconditioner is for solver='cg' or 'minres'"),
     ]
     if size > 1:
-        cases.append((lambda: dl.solvers.nystrom(A, rank=3 + last, comm=comm), "different ranks"))
+        cases.append((lambda: dl.solvers.nystrom(A, rank=3 + last, comm=comm), "passed different options"))
     for fn, pattern in cases:
         assert_no_failures(failure_of(fn, pattern), comm)
