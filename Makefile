@@ -216,7 +216,7 @@ BENCH_ARGS ?=
 
 # Benchmarks side by side with peers (peers install into benchmarks/.venv-peers;
 # one that fails is reported as skipped). QUICK=1: a smoke run of a few minutes.
-bench: setup $(NETKET_STAMP) $(SCALAPACK_STAMP)
+bench: setup $(NETKET_STAMP) $(SCALAPACK_STAMP) $(PYAMG_STAMP)
 	$(BIN)/python -m pip install -q $(BENCH_DEPS)
 	$(BIN)/python benchmarks/run_all.py $(if $(filter 1 yes true,$(QUICK)),--quick) $(if $(filter 1 yes true,$(WITH_PETSC)),--with-petsc) $(BENCH_ARGS)
 	$(BIN)/python benchmarks/bench_operators.py $(if $(filter 1 yes true,$(QUICK)),--quick) --output benchmarks/results.md
@@ -224,6 +224,8 @@ bench: setup $(NETKET_STAMP) $(SCALAPACK_STAMP)
 	$(BIN)/python benchmarks/bench_minsr.py --driver $(if $(filter 1 yes true,$(QUICK)),--quick)
 	for n in 1 2; do $(BIN)/python tests/run_mpi.py --mpiexec-only -n $$n -- $(BIN)/python benchmarks/bench_linalg.py \
 	  $(if $(filter 1 yes true,$(QUICK)),--sizes 1024 --eigh 256,--sizes 4096 8192 --eigh 1024) --json build/bench/linalg_$$n.json || exit 1; done
+	$(BIN)/python benchmarks/bench_multigrid.py --write $(if $(filter 1 yes true,$(QUICK)),--n 128 500 --plain-up-to 500)
+	$(BIN)/python benchmarks/bench_nystrom_sr.py --write $(if $(filter 1 yes true,$(QUICK)),--problems tfim-rbm --shifts 1e-3 --rank 100)
 
 clean:
 	rm -rf build .mpitest
