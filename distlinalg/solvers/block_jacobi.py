@@ -238,7 +238,7 @@ def block_jacobi(A: Any, *, local: str | None = None) -> BlockJacobi:
       >>> r = comm.rank()
       >>> A = sparse_rows(T.tocsr()[p.starts[r]:p.starts[r + 1]], symmetric=True)
       >>> M = dl.solvers.block_jacobi(A, local="cholesky")
-      >>> x, info = dl.cg(A, jnp.ones(p.size_of(r)), M=M, rtol=1e-10)
+      >>> x, info = dl.cg(A, jnp.ones(p.size_of(r)), M=M, rtol=1e-5)
       >>> bool(info.converged)
       True
     """

@@ -346,7 +346,7 @@ def multigrid(A: Any, *, levels: int | None = None, smoother: str = "chebyshev",
       >>> M = dl.solvers.multigrid(A)
       >>> M.levels
       4
-      >>> x, info = dl.cg(A, b, M=M, rtol=1e-6)
+      >>> x, info = dl.cg(A, b, M=M, rtol=1e-4)   # float32: its rounding floor is near 1e-5 here
       >>> bool(info.converged), int(info.iterations) <= 10
       (True, True)
     """
