@@ -236,7 +236,7 @@ def block_jacobi(A: Any, *, local: str | None = None) -> BlockJacobi:
       >>> T = sp.diags([-1.0, 2.0, -1.0], [-1, 0, 1], shape=(n, n)) + sp.diags(np.linspace(0.1, 10, n))
       >>> p = Partition.even(n, comm.size())
       >>> r = comm.rank()
-      >>> A = sparse_rows(T.tocsr()[p.starts[r]:p.starts[r + 1]], symmetric=True)
+      >>> A = sparse_rows(T.tocsr()[p.starts[r]:p.starts[r + 1]], local=True, symmetric=True)  # my rows
       >>> M = dl.solvers.block_jacobi(A, local="cholesky")
       >>> x, info = dl.cg(A, jnp.ones(p.size_of(r)), M=M, rtol=1e-5)
       >>> bool(info.converged)

@@ -32,7 +32,7 @@ def test_sparse_rows_against_block_diagonal_inverse(comm, rank, size, local):
     matrix = poisson_with_varying_coefficient(n)
     N = n * n
     partition = uneven_partition(N, size)
-    A = sparse_rows(local_rows(matrix, partition, rank), symmetric=True, comm=comm)
+    A = sparse_rows(local_rows(matrix, partition, rank), local=True, symmetric=True, comm=comm)
     M = dl.solvers.block_jacobi(A, local=local)
     v = np.random.default_rng(0).standard_normal(N)
     mine = jnp.asarray(v[partition.starts[rank] : partition.starts[rank + 1]])
@@ -75,7 +75,8 @@ def test_dense_rows_and_laplacian_blocks(comm, rank, size):
 @pytest.mark.max_ranks(2)
 def test_bad_input_raises_on_every_rank(comm, rank, size):
     partition = uneven_partition(16, size)
-    A = sparse_rows(local_rows(poisson_with_varying_coefficient(4), partition, rank), symmetric=True, comm=comm)
+    A = sparse_rows(local_rows(poisson_with_varying_coefficient(4), partition, rank), local=True, symmetric=True,
+                    comm=comm)
     cases = [
         (lambda: dl.solvers.block_jacobi(dl.operators.aslinearoperator(lambda v: v, layout="sharded", comm=comm)),
          "must be a sharded distlinalg operator|diagonal blocks are known"),
