@@ -170,6 +170,13 @@ class BlockJacobi(LinearOperator):
       factor: "cholesky": this rank's Cholesky factor (lower) of A_rr.
       hierarchy: "amg": the levels (matrices as CSR, smoother data) and the coarsest LU.
       local: the local solver, "cholesky" or "amg".
+
+    Example:
+      >>> import distlinalg as dl
+      >>> from distlinalg.operators import laplacian_2d
+      >>> M = dl.solvers.block_jacobi(laplacian_2d(8))    # small blocks: a Cholesky factor each
+      >>> M.local, M.layout
+      ('cholesky', 'sharded')
     """
 
     factor: Any

@@ -118,6 +118,13 @@ class ChebyshevPreconditioner(LinearOperator):
       A: the operator (a child: its arrays are this preconditioner's).
       lo, hi: the interval (replicated scalars).
       degree: the polynomial's degree (degree − 1 products with A per application).
+
+    Example:
+      >>> import distlinalg as dl
+      >>> from distlinalg.operators import laplacian_2d
+      >>> M = dl.solvers.chebyshev(laplacian_2d(8), bounds=(0.5, 8.0))
+      >>> M.degree, float(M.lo), float(M.hi)
+      (4, 0.5, 8.0)
     """
 
     A: Any

@@ -219,6 +219,13 @@ class Multigrid(LinearOperator):
       lu, pivots: the coarsest level's LU factors (replicated).
       grids: every level's grid, finest first (static).
       smoother, degree, cycle: as passed (static).
+
+    Example:
+      >>> import distlinalg as dl
+      >>> from distlinalg.operators import laplacian_2d
+      >>> M = dl.solvers.multigrid(laplacian_2d(40))    # coarsened until at most 256 points
+      >>> M.levels, [grid.shape for grid in M.grids], M.cycle
+      (3, [(40, 40), (20, 20), (10, 10)], 'W')
     """
 
     A: Any

@@ -47,6 +47,14 @@ class NystromPreconditioner(LinearOperator):
       basis: U, this rank's rows (sharded) or all of them (replicated), shape (n_r, ℓ), flat.
       weights: (λ̂_ℓ + μ)/(Λ̂ + μ) − 1, shape (ℓ,), replicated: P⁻¹ v = v + U (weights ⊙ Uᴴ v).
       eigenvalues: Λ̂, the Nyström approximation's eigenvalues, descending (replicated).
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> import distlinalg as dl
+      >>> A = jnp.diag(jnp.array([3.0, 2.0, 1.0] + [0.0] * 7))   # rank 3
+      >>> M = dl.solvers.nystrom(A, rank=3)
+      >>> np.round(np.asarray(M.eigenvalues), 3).tolist(), M.basis.shape
+      ([3.0, 2.0, 1.0], (10, 3))
     """
 
     basis: Any
