@@ -28,6 +28,8 @@ def local_rows(matrix, partition, rank):
 
 @pytest.mark.parametrize("local", ["cholesky", "amg"])
 def test_sparse_rows_against_block_diagonal_inverse(comm, rank, size, local):
+    if local == "amg":
+        pytest.importorskip("pyamg", reason="the [pyamg] extra (make pyamg)")
     n = 12
     matrix = poisson_with_varying_coefficient(n)
     N = n * n
