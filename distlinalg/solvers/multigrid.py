@@ -284,9 +284,16 @@ class Multigrid(LinearOperator):
         matvec, fine, coarse = self._operator(level), self.grids[level], self.grids[level + 1]
         x = self._smooth(level, b)                                       # pre-smoothing
         residual = restrict(b - matvec(x), fine, coarse, self.comm)      # r_c = R (b − A x)
-        correction = self._cycle(level + 1, residual)                    # e_c ≈ A_c⁻¹ r_c
         if self.cycle == "W" and level + 1 < self.levels - 1:
-            correction = correction + self._cycle(level + 1, residual - self._operator(level + 1)(correction))
+            # Twice: e_c ← e_c + cycle(r_c − A_c e_c) from e_c = 0, as a loop of two steps, so that the
+            # coarse cycle is traced once (called twice in Python, the program would grow like 2^levels:
+            # 93 s of compilation at n = 2000 on 2 ranks). The first step's A_c·0 is the price.
+            def correct(_: Any, e: jax.Array) -> jax.Array:
+                return e + self._cycle(level + 1, residual - self._operator(level + 1)(e))
+
+            correction = jax.lax.fori_loop(0, 2, correct, jnp.zeros_like(residual))
+        else:
+            correction = self._cycle(level + 1, residual)                # e_c ≈ A_c⁻¹ r_c
         x = x + prolong(correction, fine, coarse, self.comm)             # x ← x + P e_c
         return x + self._smooth(level, b - matvec(x))                    # post-smoothing
 
