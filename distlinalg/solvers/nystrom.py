@@ -2,7 +2,7 @@
 for A + μI with A positive semi-definite and of quickly decaying spectrum (Gram / QGT, sample Gram,
 Gauss–Newton).
 
-Build (once; `rank` = ℓ products with A, in vmapped batches of 16):
+Build (once; `rank` = ℓ products with A, batched):
 
     Ω  ~ N(0, 1)^{n × ℓ},  Y = A Ω,  ν = ε ‖Y‖_F,  Y_ν = Y + ν Ω
     C Cᴴ = Ωᴴ Y_ν (Cholesky),  B = Y_ν C⁻ᴴ,  B = U Σ Vᴴ (thin SVD),  Λ̂ = max(Σ² − ν, 0)
@@ -37,9 +37,6 @@ from ..comm.allreduce import allreduce
 from ..operators import LinearOperator, aslinearoperator, linearise, operator_class, static
 from ..operators._partition import exchange_rows
 from ._arguments import agree_options
-
-
-SKETCH_BATCH = 16  # products of the sketch computed together (vmapped) at a time
 
 
 @operator_class
@@ -103,7 +100,7 @@ def nystrom(A: Any, rank: int, *, shift: Any = 0.0, key: Any = None, layout: str
         ``gauss_newton`` (which may hold their own ``diag_shift``: then
         leave ``shift`` at 0), a square array, or a callable with
         ``layout``/``comm``. It must support ``jax.vmap`` (distlinalg's
-        operators do): the ℓ products run in vmapped batches of 16.
+        operators do): the ℓ products are one batch.
       rank: ℓ, the sketch size (1 ≤ ℓ ≤ the operator's size). Take it where
         A's eigenvalues fall below the shift; a few tens to a few hundred
         for SR systems.
@@ -115,7 +112,7 @@ def nystrom(A: Any, rank: int, *, shift: Any = 0.0, key: Any = None, layout: str
 
     Returns:
       A :class:`NystromPreconditioner`, usable as ``M=`` in cg, minres (and
-      gmres, bicgstab). Build: ℓ products with A (batches of 16), one allreduce
+      gmres, bicgstab). Build: ℓ products with A (one batch), one allreduce
       of three ℓ × ℓ matrices (sharded; none replicated) and ℓ × ℓ dense
       algebra on every rank. Application: no message (replicated), one
       allreduce of ℓ numbers (sharded); memory n_r × ℓ per rank.
@@ -166,10 +163,7 @@ def nystrom(A: Any, rank: int, *, shift: Any = 0.0, key: Any = None, layout: str
     if jnp.issubdtype(dtype, jnp.complexfloating):
         omega = (omega + 1j * jax.random.normal(jax.random.fold_in(key, 1), (local, rank), real)).astype(dtype)
     matvec = linearise(jax.lax.stop_gradient(sketched)).matvec
-    # A Ω, (n_r, ℓ): the products in batches of SKETCH_BATCH vectors (vmapped within a batch). One
-    # batch of all ℓ made the intermediates of a model's products ℓ times the size of one (an RBM
-    # of 17k parameters on 1,024 samples: 800 MB at ℓ = 100) and the build slower than ℓ products.
-    Y = jax.lax.map(lambda w: ravel_pytree(matvec(unravel(w)))[0], omega.T, batch_size=min(SKETCH_BATCH, rank)).T
+    Y = jax.vmap(lambda w: ravel_pytree(matvec(unravel(w)))[0], in_axes=1, out_axes=1)(omega)  # A Ω, (n_r, ℓ)
     Y = jax.lax.stop_gradient(Y)
     grams = jnp.stack([jnp.conj(Y).T @ Y, jnp.conj(omega).T @ Y, jnp.conj(omega).T @ omega])
     if layout == "sharded" and comm.size > 1:
