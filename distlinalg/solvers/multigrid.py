@@ -51,7 +51,7 @@ from .._mpi import Communicator, ReduceOp
 from ..comm.allreduce import allreduce
 from ..operators import LinearOperator, linearise, operator_class, static
 from ..operators._partition import Partition
-from ..operators.stencil import Stencil2D, StencilGrid, apply_stencil, grid_neighbours, halo_rows
+from ..operators.stencil import Stencil2D, StencilGrid, grid_neighbours, halo_rows
 from ._arguments import agree_options
 from .chebyshev import chebyshev_polynomial
 
