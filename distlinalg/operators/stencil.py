@@ -37,7 +37,7 @@ from ..comm.overlap import fence, overlap
 from ..comm.p2p import sendrecv
 from .._trees import Structure
 from ._base import LinearOperator, operator_class, static
-from ._partition import Partition, resolve_halo_mode, resolve_partition
+from ._partition import Partition, exchange_rows, resolve_halo_mode, resolve_partition
 
 
 class StencilGrid(NamedTuple):
@@ -418,6 +418,22 @@ def apply_stencil(coefficients: jax.Array, v: jax.Array, row_partition: Partitio
     return out.reshape(-1)
 
 
+def stencil_entries(coefficients: Any, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, Any]:
+    """(row, column, value) of every entry of a stencil on a (ny, nx) grid, from its (3, 3, ny, nx)
+    coefficients; the couplings beyond the grid are dropped (flat row-major indices)."""
+    ny, nx = shape
+    J, K = np.meshgrid(np.arange(ny), np.arange(nx), indexing="ij")
+    rows, cols, values = [], [], []
+    for a in range(3):
+        for b in range(3):
+            Jn, Kn = J + a - 1, K + b - 1
+            inside = (Jn >= 0) & (Jn < ny) & (Kn >= 0) & (Kn < nx)
+            rows.append((J * nx + K)[inside])
+            cols.append((Jn * nx + Kn)[inside])
+            values.append(coefficients[a, b][inside])
+    return np.concatenate(rows), np.concatenate(cols), jnp.concatenate(values)
+
+
 def stencil_2d(coefficients: Any, *, symmetric: bool = False, hermitian: bool = False,
                comm: Any = None) -> Stencil2D:
     """A 3 × 3 stencil operator from this rank's coefficients, grid rows split as the coefficients are.
@@ -449,8 +465,6 @@ def stencil_2d(coefficients: Any, *, symmetric: bool = False, hermitian: bool = 
       >>> S @ jnp.ones(rows * 5)
       Array([2., 2., 2., 2., 2., 2., 2., 2., 2., 2.], dtype=float32)
     """
-    from ._partition import exchange_rows
-
     comm = resolve_comm(comm)
     coefficients = jnp.asarray(coefficients)
     shape_ok = coefficients.ndim == 4 and coefficients.shape[:2] == (3, 3)

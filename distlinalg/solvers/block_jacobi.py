@@ -26,13 +26,14 @@ import jax.scipy.linalg as jsl
 import numpy as np
 
 from .._mpi import Communicator
-from ..operators import LinearOperator, operator_class, static
+from ..operators import LinearOperator, linearise, operator_class, static
 from ..operators._partition import exchange_rows
 from ..operators.dense import DenseRowsOperator
 from ..operators.sparse import SparseRowsOperator
-from ..operators.stencil import Laplacian2D, Stencil2D
+from ..operators.stencil import Stencil2D, StencilGrid, stencil_entries
 from ._arguments import agree_options
 from .chebyshev import chebyshev_polynomial
+from .multigrid import probe_coefficients
 
 LOCAL_SOLVERS = ("cholesky", "amg")
 CHOLESKY_UP_TO = 4096  # local=None: a dense Cholesky for blocks of up to this many rows, else AMG
@@ -86,29 +87,16 @@ def diagonal_block(A: LinearOperator) -> tuple[np.ndarray, np.ndarray, Any, int]
         m = block.shape[0]
         rows, cols = np.meshgrid(np.arange(m), np.arange(end - start), indexing="ij")
         return rows.ravel(), cols.ravel(), block.reshape(-1), m
-    if isinstance(A, (Laplacian2D, Stencil2D)):
-        grid = A.stencil_grid
-        nx = grid.shape[1]
-        mine = grid.row_partition.size_of(rank)
-        if isinstance(A, Laplacian2D):
-            coefficients = jnp.zeros((3, 3, mine, nx), A.dtype).at[1, 1].set(4)
-            for a, b in ((0, 1), (2, 1), (1, 0), (1, 2)):
-                coefficients = coefficients.at[a, b].set(-1)
-        else:
-            coefficients = A.coefficients
-        J, K = np.meshgrid(np.arange(mine), np.arange(nx), indexing="ij")
-        rows, cols, values = [], [], []
-        for a in range(3):
-            for b in range(3):
-                Jn, Kn = J + a - 1, K + b - 1
-                inside = (Jn >= 0) & (Jn < mine) & (Kn >= 0) & (Kn < nx)  # this rank's rows only
-                rows.append((J * nx + K)[inside])
-                cols.append((Jn * nx + Kn)[inside])
-                values.append(coefficients[a, b][inside])
-        return np.concatenate(rows), np.concatenate(cols), jnp.concatenate(values), mine * nx
+    grid = getattr(A, "stencil_grid", None)
+    if isinstance(grid, StencilGrid):  # a stencil on a grid: its coefficients, probed where not stored
+        mine, nx = grid.row_partition.size_of(rank), grid.shape[1]
+        coefficients = A.coefficients if isinstance(A, Stencil2D) else probe_coefficients(
+            linearise(A).matvec, grid, A.comm, A.in_structure.leaves[0].dtype)
+        rows, cols, values = stencil_entries(coefficients, (mine, nx))  # this rank's rows only
+        return rows, cols, values, mine * nx
     raise TypeError(
         "distlinalg.solvers.block_jacobi: A must be an operator whose diagonal blocks are known: sparse_rows, "
-        f"dense_rows, laplacian_2d or stencil_2d; got {type(A).__name__}"
+        f"dense_rows, or one with a stencil_grid (laplacian_2d, stencil_2d); got {type(A).__name__}"
     )
 
 
@@ -212,8 +200,9 @@ def block_jacobi(A: Any, *, local: str | None = None) -> BlockJacobi:
 
     Args:
       A: a sharded, symmetric positive definite distlinalg operator whose
-        rows split as its columns: ``sparse_rows``, ``dense_rows``,
-        ``laplacian_2d`` or ``stencil_2d``.
+        rows split as its columns: ``sparse_rows``, ``dense_rows``, or an
+        operator with a ``stencil_grid`` (``laplacian_2d``, ``stencil_2d``,
+        a user's: its block's coefficients are found by 9 products).
       local: the local solver of each diagonal block A_rr: "cholesky" (its
         dense Cholesky factor: n_r² memory, n_r³/3 flops once), "amg" (an
         algebraic multigrid V-cycle from pyamg's smoothed aggregation,
@@ -257,16 +246,17 @@ def block_jacobi(A: Any, *, local: str | None = None) -> BlockJacobi:
     problem = "" if local is None or local in LOCAL_SOLVERS else \
         f"local must be None or one of {LOCAL_SOLVERS}, got {local!r}"
     agree_options("distlinalg.solvers.block_jacobi", problem, f"local={local!r}", comm)
-    largest = int(exchange_rows(np.asarray([size], np.int64), comm)[:, 0].max())
+    values = jax.lax.stop_gradient(values)
+    concrete = not isinstance(values, jax.core.Tracer)
+    table = exchange_rows(np.asarray([size, concrete], np.int64), comm)  # the largest block; all concrete?
+    largest, all_concrete = int(table[:, 0].max()), bool(np.all(table[:, 1]))
     chosen = local or ("cholesky" if largest <= CHOLESKY_UP_TO else "amg")
     dtype = jnp.result_type(values)
-    values = jax.lax.stop_gradient(values)
     if chosen == "cholesky":
         dense = jnp.zeros((size, size), dtype).at[rows, cols].add(values)
         factor = jnp.linalg.cholesky(dense) if size else dense
         return BlockJacobi(factor=factor, hierarchy=None, structure=A.in_structure, comm=comm, local="cholesky")
-    concrete = not isinstance(values, jax.core.Tracer)
-    if not np.all(exchange_rows(np.asarray([concrete], np.int64), comm)[:, 0]):
+    if not all_concrete:
         raise ValueError("distlinalg.solvers.block_jacobi(local='amg'): pyamg's setup needs concrete values; "
                          "build the preconditioner outside jax.jit (and pass it in as an argument)")
     levels, lu, pivots = _amg_hierarchy(rows, cols, np.asarray(values), size, dtype)

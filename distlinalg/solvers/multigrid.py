@@ -51,7 +51,7 @@ from .._mpi import Communicator, ReduceOp
 from ..comm.allreduce import allreduce
 from ..operators import LinearOperator, linearise, operator_class, static
 from ..operators._partition import Partition
-from ..operators.stencil import Stencil2D, StencilGrid, grid_neighbours, halo_rows
+from ..operators.stencil import Stencil2D, StencilGrid, grid_neighbours, halo_rows, stencil_entries
 from ._arguments import agree_options
 from .chebyshev import chebyshev_polynomial
 
@@ -191,18 +191,8 @@ def gershgorin_upper(coefficients: jax.Array) -> jax.Array:
 
 def assemble_dense(coefficients: jax.Array, shape: tuple[int, int]) -> jax.Array:
     """The (ny·nx)² matrix of a stencil from its whole-grid coefficients (3, 3, ny, nx)."""
-    ny, nx = shape
-    J, K = np.meshgrid(np.arange(ny), np.arange(nx), indexing="ij")
-    rows, cols, values = [], [], []
-    for da in range(3):
-        for db in range(3):
-            Jn, Kn = J + da - 1, K + db - 1
-            inside = (Jn >= 0) & (Jn < ny) & (Kn >= 0) & (Kn < nx)
-            rows.append((J * nx + K)[inside])
-            cols.append((Jn * nx + Kn)[inside])
-            values.append(coefficients[da, db][inside])
-    return jnp.zeros((ny * nx, ny * nx), coefficients.dtype).at[np.concatenate(rows), np.concatenate(cols)].add(
-        jnp.concatenate(values))
+    rows, cols, values = stencil_entries(coefficients, shape)
+    return jnp.zeros((shape[0] * shape[1],) * 2, coefficients.dtype).at[rows, cols].add(values)
 
 
 # ---------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg
-import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from .._mpi import resolve_comm
@@ -90,9 +89,6 @@ def _dense_solve(matrix: jax.Array, rhs: jax.Array) -> tuple[jax.Array, SolverIn
     return x, info
 
 
-NYSTROM_RANK = 100  # preconditioner="nystrom": the sketch size (at most the system's size)
-
-
 def _krylov(solver: Any, operator: Any, rhs: Any, rtol: Any, atol: Any, maxiter: Any, preconditioner: Any = None):
     if callable(solver):
         return solver(operator, rhs)
@@ -102,17 +98,14 @@ def _krylov(solver: Any, operator: Any, rhs: Any, rtol: Any, atol: Any, maxiter:
 
 def _preconditioner(preconditioner: Any, operator: Any) -> Any:
     """M for the Krylov solve of `operator` (S + λ or T + λ, the shift inside): None, "nystrom"
-    (a rank-NYSTROM_RANK sketch, or the whole system where it is smaller), or a callable of the operator."""
+    (nystrom's default sketch: rank 100, or the whole system where it is smaller), or a callable of the operator."""
     if preconditioner is None:
         return None
     if callable(preconditioner):
         return preconditioner(operator)
     from .nystrom import nystrom  # noqa: PLC0415 - beside its one use
 
-    leaves = operator.in_structure.leaves
-    local = sum(int(np.prod(leaf.shape)) for leaf in leaves) * (2 if operator.real_linear else 1)
-    size = local if operator.layout == "replicated" else Partition.of_local_sizes(local, operator.comm).total
-    return nystrom(operator, rank=min(NYSTROM_RANK, size))
+    return nystrom(operator)
 
 
 def parameter_space_update(point, e, *, diag_shift, solver, rtol, atol, maxiter, centred_input, preconditioner=None):

@@ -39,6 +39,9 @@ from ..operators._partition import exchange_rows
 from ._arguments import agree_options
 
 
+DEFAULT_RANK = 100  # rank=None: the sketch size (at most the operator's size)
+
+
 @operator_class
 class NystromPreconditioner(LinearOperator):
     """P⁻¹ of :func:`nystrom` (module docstring), in the operator's layout; a constant of the solve.
@@ -90,7 +93,7 @@ class NystromPreconditioner(LinearOperator):
         return unravel((flat + U @ (weights * coefficients)).astype(flat.dtype))
 
 
-def nystrom(A: Any, rank: int, *, shift: Any = 0.0, key: Any = None, layout: str | None = None,
+def nystrom(A: Any, rank: int | None = None, *, shift: Any = 0.0, key: Any = None, layout: str | None = None,
             comm: Any = None) -> NystromPreconditioner:
     """A randomized Nyström preconditioner for (A + shift·I), A positive semi-definite.
 
@@ -103,7 +106,7 @@ def nystrom(A: Any, rank: int, *, shift: Any = 0.0, key: Any = None, layout: str
         operators do): the ℓ products are one batch.
       rank: ℓ, the sketch size (1 ≤ ℓ ≤ the operator's size). Take it where
         A's eigenvalues fall below the shift; a few tens to a few hundred
-        for SR systems.
+        for SR systems. None: min(100, the operator's size).
       shift: μ ≥ 0 of the system A + μI that the preconditioner is for
         (replicated; may be traced).
       key: PRNG key of the sketch (default key 0; each rank's rows of Ω
@@ -152,6 +155,8 @@ def nystrom(A: Any, rank: int, *, shift: Any = 0.0, key: Any = None, layout: str
     flat_template, unravel = ravel_pytree(template)
     local = flat_template.shape[0]
     total = local if layout == "replicated" or comm.size == 1 else int(exchange_rows(np.asarray([local]), comm).sum())
+    if rank is None:
+        rank = min(DEFAULT_RANK, total)
     _check_options(rank, shift, total, comm)
     dtype = flat_template.dtype
     real = jnp.finfo(dtype).dtype
