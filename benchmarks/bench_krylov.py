@@ -114,7 +114,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# distlinalg runs with its default per-rank CPU blocks (distlinalg/_cpu.py;
+# distlinalg runs with its default per-rank CPU blocks (distlinalg/_runtime/cpu.py;
 # without them each rank's XLA threads and the other rank's busy-polling MPI
 # share every core: cg on 2 ranks reached 74% of the bandwidth bound instead
 # of ~100%). The one-process peers run on rank 0 while the other ranks sleep
@@ -236,7 +236,7 @@ def on_root(fn, comm):
         mine = sorted(os.sched_getaffinity(0)) if NODE_CPUS else []
         widen = NODE_CPUS and mine != NODE_CPUS
         if widen:
-            from distlinalg._cpu import _restrict_all_threads
+            from distlinalg._runtime.cpu import _restrict_all_threads
 
             _restrict_all_threads(NODE_CPUS)  # every thread, XLA's pool included
         try:

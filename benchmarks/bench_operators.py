@@ -20,7 +20,7 @@ process on the whole node" against "R ranks sharing the node" measures
 XLA's threading, not the distribution. The target ratio is therefore taken
 with equal cores per process: the single-process peer is restricted to
 ``nproc // R`` CPUs, the share each of the R ranks gets (distlinalg gives
-node-local ranks disjoint CPU blocks at import, see distlinalg/_cpu.py). The
+node-local ranks disjoint CPU blocks at import, see distlinalg/_runtime/cpu.py). The
 one-process run on the whole node is reported too.
 
 Timings are medians of repeated jitted calls of a ``lax.fori_loop`` of

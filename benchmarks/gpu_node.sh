@@ -59,7 +59,7 @@ test)
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do ranks+=("$1"); shift; done
   shift || true
   # The worlds run at once on one GPU, and each world's ranks split JAX's preallocation only
-  # among themselves (distlinalg/_cuda.py): let every process allocate on demand instead.
+  # among themselves (distlinalg/_runtime/cuda.py): let every process allocate on demand instead.
   export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
   pids=()
   for n in "${ranks[@]}"; do

@@ -9,26 +9,10 @@ factorisations (Cholesky, LU, eigh) of a matrix held by rows.
 """
 
 from ._version import __version__
-from . import _compat
+from . import _runtime
 
-# Before anything starts XLA's CPU backend (see _compat.disable_ynn_fusion).
-YNN_FUSION = _compat.disable_ynn_fusion()
-if YNN_FUSION.startswith("left on"):
-    import warnings
-
-    warnings.warn(
-        "distlinalg was imported after JAX's CPU backend started and could not switch XLA's YNN "
-        "reduce fusions off; with jaxlib 0.10.2 they can give wrong results (e.g. jnp.sum((X @ W) ** 2, 1), "
-        "jitted solves with x0=None). Import distlinalg before running JAX computations, or set "
-        "XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT yourself.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-# Programs with MPI calls compile for GPUs without XLA's dynamic slice fusion (see _compat).
-GPU_COMPILE_OPTIONS = _compat.route_gpu_compilations()
-from . import _mpi  # initialises MPI and registers the FFI handlers
-from . import _safety  # a failing, stuck or interrupted rank ends the whole job
-_safety.install()
+# The one start-up (XLA flags, JAX patches, MPI, the safety net), in its order: _runtime.start.
+YNN_FUSION = _runtime.start()
 from . import ad, comm, linalg, operators, solvers
 from .comm import rank, size
 from .solvers import bicgstab, cg, eigsh, gmres, minres, natural_gradient

@@ -1,7 +1,9 @@
 """`python -m distlinalg`: environment report (run it under mpiexec too).
 
-Prints, from rank 0, the versions and MPI facts a bug report needs, then one
-line per rank showing that every rank reached the same library.
+Prints, from rank 0, the versions and MPI facts a bug report needs, the
+table of every change distlinalg makes to another library with its state in
+this process (``distlinalg._runtime.patches``), then one line per rank
+showing that every rank reached the same library.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ def environment_report() -> str:
     import numpy as np
     from mpi4py import MPI
 
-    from . import __version__, _cpu, _cuda, _mpi
+    from . import __version__
+    from ._runtime import cpu as _cpu
+    from ._runtime import cuda as _cuda
+    from ._runtime import mpi as _mpi
+    from ._runtime import patches
 
     comm = _mpi.DEFAULT_COMM
     levels = {
@@ -60,6 +66,8 @@ def environment_report() -> str:
         f"debug log (DISTLINALG_DEBUG): {settings['debug_log']}; "
         f"cross-rank check (DISTLINALG_CHECK): {_mpi.check_mode()}",
     ]
+    lines += ["patches (distlinalg/_runtime/patches.py: what is replaced or set, and its state here):",
+              patches.table_text()]
     host = platform.node()
     everyone = comm.comm.allgather(f"rank {comm.rank} of {comm.size} on {host}: {_cpu.STATE.get('affinity', '?')}")
     lines += ["ranks:"] + [f"  {line}" for line in everyone]
@@ -70,7 +78,7 @@ import distlinalg  # noqa: E402
 
 
 def main() -> int:
-    from . import _mpi
+    from ._runtime import mpi as _mpi
 
     report = environment_report()
     if _mpi.DEFAULT_COMM.rank == 0:

@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from . import _compat
+from ._runtime import jax_names
 from . import comm as _comm
-from ._mpi import BUILD_INFO, resolve_comm
+from ._runtime.mpi import BUILD_INFO, resolve_comm
 
 # The mpi4jax release whose API this module follows; a version string that
 # compares like it (``packaging.version.Version(__version__) >= "0.9"``).
@@ -99,7 +99,7 @@ def _write_status(status: MPI.Status | None, st: _comm.Status, itemsize: int) ->
     if status is None:
         return
     fields = (st.source, st.tag, st.count)
-    if _compat.at_top_level():
+    if jax_names.at_top_level():
         _fill(status, itemsize, *fields)
         return
     jax.debug.callback(lambda *f: _fill(status, itemsize, *f), *fields, ordered=True)

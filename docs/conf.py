@@ -119,7 +119,20 @@ def _readme_links(app, relative_path, parent_docname, content) -> None:
     content[0] = _LOCAL_LINK.sub(relink, content[0])
 
 
+# docs/runtime.md shows the patch table of distlinalg/_runtime/patches.py, rendered from the
+# code as the page is read, so the page and the table cannot drift apart.
+PATCH_TABLE_MARKER = "<!-- the patch table, rendered from distlinalg._runtime.patches -->"
+
+
+def _render_patch_table(app, docname, source) -> None:
+    if PATCH_TABLE_MARKER in source[0]:
+        from distlinalg._runtime import patches
+
+        source[0] = source[0].replace(PATCH_TABLE_MARKER, patches.markdown_table())
+
+
 def setup(app):
+    app.connect("source-read", _render_patch_table)
     app.connect("include-read", _readme_links)
     app.connect("autodoc-process-docstring", _point_to_canonical)
     app.connect("env-check-consistency", _check_api_coverage)

@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 
-from .. import _compat
-from .._compat import ad, batching, mlir
+from .._runtime import jax_names
+from .._runtime.jax_names import ad, batching, mlir
 from .local_dots import HANDLER_DTYPES, leading_batch_rule
 
 MAX_OUTPUTS = 8  # new vectors per call (csrc/fused_update.cc: kMaxOutputs)
@@ -59,8 +59,8 @@ fused_update_p.multiple_results = True
 
 def _abstract_eval(coefficients: Any, *vectors: Any, counts, terms, dots, in_place, batch_ndim) -> list[Any]:
     v = vectors[0]
-    outs = [_compat.ShapedArray(v.shape, v.dtype, weak_type=v.weak_type) for _ in counts]
-    return outs + [_compat.ShapedArray(v.shape[:batch_ndim] + (len(dots) // 2,), v.dtype)]
+    outs = [jax_names.ShapedArray(v.shape, v.dtype, weak_type=v.weak_type) for _ in counts]
+    return outs + [jax_names.ShapedArray(v.shape[:batch_ndim] + (len(dots) // 2,), v.dtype)]
 
 
 def _reference(coefficients: Any, *vectors: Any, counts, terms, dots, in_place, batch_ndim) -> list[Any]:
@@ -127,7 +127,7 @@ def _jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any) -> tupl
 
 
 fused_update_p.def_abstract_eval(_abstract_eval)
-fused_update_p.def_impl(partial(_compat.apply_primitive, fused_update_p))
+fused_update_p.def_impl(partial(jax_names.apply_primitive, fused_update_p))
 mlir.register_lowering(fused_update_p, _reference_lowering)
 mlir.register_lowering(fused_update_p, _cpu_lowering, platform="cpu")
 ad.primitive_jvps[fused_update_p] = _jvp
@@ -210,8 +210,8 @@ def fused_update(
                              f"{jnp.shape(v)} {jnp.result_type(v)}")
     n = len(vectors)
     flat = lambda ref: ref[1] if ref[0] == "in" else n + ref[1]  # noqa: E731 - index into L
-    weak = _compat.is_weakly_typed(vectors[0])
-    coefficient_array = jnp.stack([_compat.convert_element_type(c, dtype, weak) for c in coefficients])
+    weak = jax_names.is_weakly_typed(vectors[0])
+    coefficient_array = jnp.stack([jax_names.convert_element_type(c, dtype, weak) for c in coefficients])
     results = fused_update_p.bind(coefficient_array, *vectors, counts=tuple(counts),
                                   terms=tuple(flat(r) for r in raw_terms), dots=tuple(flat(r) for r in raw_dots),
                                   in_place=tuple(in_place), batch_ndim=0)

@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 
-from .. import _compat
-from .._compat import ad, batching, mlir
+from .._runtime import jax_names
+from .._runtime.jax_names import ad, batching, mlir
 from ..comm._core import moveaxis_or_broadcast
 
 # The dtypes of the CPU handler; others lower to jnp.
@@ -51,7 +51,7 @@ def _pairs(operands: Sequence[Any]) -> list[tuple[Any, Any]]:
 
 
 def _abstract_eval(*avals: Any, batch_ndim: int) -> list[Any]:
-    return [_compat.ShapedArray(x.shape[:batch_ndim], x.dtype, weak_type=x.weak_type and y.weak_type)
+    return [jax_names.ShapedArray(x.shape[:batch_ndim], x.dtype, weak_type=x.weak_type and y.weak_type)
             for x, y in _pairs(avals)]
 
 
@@ -112,7 +112,7 @@ def leading_batch_rule(prim: Primitive) -> Any:
     per batch entry)."""
 
     def rule(args: Sequence[Any], dims: Sequence[Any], *, batch_ndim: int, **params: Any) -> tuple[list, list]:
-        size = next(a.shape[d] for a, d in zip(args, dims) if d is not _compat.not_mapped)
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not jax_names.not_mapped)
         moved = [moveaxis_or_broadcast(a, d, 0, size) for a, d in zip(args, dims)]
         outs = prim.bind(*moved, batch_ndim=batch_ndim + 1, **params)
         return outs, [0] * len(outs)
@@ -121,7 +121,7 @@ def leading_batch_rule(prim: Primitive) -> Any:
 
 
 local_dots_p.def_abstract_eval(_abstract_eval)
-local_dots_p.def_impl(partial(_compat.apply_primitive, local_dots_p))
+local_dots_p.def_impl(partial(jax_names.apply_primitive, local_dots_p))
 mlir.register_lowering(local_dots_p, _reference_lowering)
 mlir.register_lowering(local_dots_p, _cpu_lowering, platform="cpu")
 ad.primitive_jvps[local_dots_p] = _jvp

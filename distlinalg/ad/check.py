@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import Communicator, resolve_comm
+from .._runtime.mpi import Communicator, resolve_comm
 from ..comm.allreduce import allreduce
 
 _NAME = "distlinalg.ad.check_grads"

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import resolve_comm
+from .._runtime.mpi import resolve_comm
 from ..comm.fused import tree_allreduce
 
 _NAME = "distlinalg.ad"

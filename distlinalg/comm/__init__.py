@@ -7,7 +7,7 @@ program order of all communication. Each family lives in its own module with
 its abstract evaluation, lowering, JVP, transpose and batching rules.
 """
 
-from .._mpi import PROC_NULL, Communicator, ReduceOp, configure
+from .._runtime.mpi import PROC_NULL, Communicator, ReduceOp, configure
 from .allgather import allgather, allgather_p
 from .allreduce import allreduce, allreduce_p
 from .alltoall import alltoall, alltoall_p

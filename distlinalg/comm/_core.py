@@ -19,12 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 
-from .. import _compat, _env, _mpi
-from .._compat import ad, batching, mlir
-from .._mpi import Communicator
+from .._runtime import jax_names
+from .._runtime import patches
+from .._runtime import env as _env
+from .._runtime import mpi as _mpi
+from .._runtime.jax_names import ad, batching, mlir
+from .._runtime.mpi import Communicator
 
 
-class MPIEffect(_compat.Effect):
+class MPIEffect(jax_names.Effect):
     """Ordered effect of every MPI operation.
 
     XLA threads one token through all primitives carrying it, so collectives
@@ -38,7 +41,7 @@ class MPIEffect(_compat.Effect):
 
 
 mpi_effect = MPIEffect()
-_compat.register_ordered_effect(MPIEffect)
+patches.register_ordered_effect(MPIEffect)
 
 
 # Eager calls of a primitive go through a twin without the ordered effect:
@@ -122,10 +125,10 @@ def wait_for_dispatched_programs() -> None:
     when that program, and every one before it, has ended; waiting on a
     ready token costs about half a microsecond (benchmarks/README.md). A
     failed program's token is dropped (its error reaches the caller through
-    its results), as at the next dispatch (``_compat._recover_failed_tokens_of``).
+    its results), as at the next dispatch (``patches._recover_failed_tokens``).
     """
     try:
-        _compat.wait_for_effect_token(mpi_effect)
+        jax_names.wait_for_effect_token(mpi_effect)
     except jax.errors.JaxRuntimeError:
         pass  # (that program's results carry its error to whoever reads them)
 
@@ -216,7 +219,7 @@ def bind(prim: Primitive, *args: Any, **params: Any) -> Any:
     same as `prim.bind`, without JAX's per-bind trace lookup (which costs as
     much as the whole small-message MPI call).
     """
-    if _compat.at_top_level():
+    if jax_names.at_top_level():
         return prim.impl(*args, **params)
     return prim.bind(*args, **params)
 
@@ -256,7 +259,7 @@ def def_abstract_eval(prim: Primitive, shape_rule: Callable[..., Any]) -> None:
 
 
 def shaped(shape: Sequence[int], dtype: Any) -> Any:
-    return _compat.ShapedArray(tuple(shape), dtype)
+    return jax_names.ShapedArray(tuple(shape), dtype)
 
 
 def register_lowering(
@@ -302,11 +305,11 @@ def register_lowering(
         alias_map = {i + 1: o + 1 for i, o in aliases.items()}
 
     def emit(ctx, token, operands, params, avals_out, site):
-        _compat.mark_mpi_module(ctx)
-        sub = _compat.replace_lowering_avals(
+        patches.mark_mpi_module(ctx)
+        sub = jax_names.replace_lowering_avals(
             ctx,
-            [_compat.abstract_token, *ctx.avals_in],
-            [_compat.abstract_token, *avals_out],
+            [jax_names.abstract_token, *ctx.avals_in],
+            [jax_names.abstract_token, *avals_out],
         )
         extra = {"operand_output_aliases": alias_map} if alias_map else {}
         rule = jax.ffi.ffi_lowering(target, has_side_effect=True, **extra)
@@ -318,7 +321,7 @@ def register_lowering(
             return None
         if local_if is not None and not local_if(*ctx.avals_in, **params):
             return None
-        sub = _compat.effect_free_lowering_context(ctx, list(ctx.avals_in), avals_out)
+        sub = jax_names.effect_free_lowering_context(ctx, list(ctx.avals_in), avals_out)
         return mlir.lower_fun(lambda *xs: list(local(*xs, **params)), multiple_results=True)(sub, *operands)
 
     def lowering(ctx, *operands, **params):
@@ -327,12 +330,12 @@ def register_lowering(
         avals_out = [] if token_only_result else list(ctx.avals_out)
         results = local_results(ctx, operands, params, avals_out)
         if results is not None:
-            _compat.set_token_out(ctx, mpi_effect, _compat.token_in(ctx, mpi_effect))
+            jax_names.set_token_out(ctx, mpi_effect, jax_names.token_in(ctx, mpi_effect))
             return list(results)
         token_out, *results = emit(
-            ctx, _compat.token_in(ctx, mpi_effect), operands, params, avals_out, next(_call_sites)
+            ctx, jax_names.token_in(ctx, mpi_effect), operands, params, avals_out, next(_call_sites)
         )
-        _compat.set_token_out(ctx, mpi_effect, token_out)
+        jax_names.set_token_out(ctx, mpi_effect, token_out)
         return results
 
     def twin_lowering(ctx, *operands, **params):
@@ -342,9 +345,9 @@ def register_lowering(
             return [mlir.ir_constant(np.zeros((), np.int32))] if token_only_result else list(results)
         # Site 0: an eager call, checked every time (csrc/checks.h).
         if token_only_result:
-            emit(ctx, _compat.fresh_token(), operands, params, [], EAGER_SITE)
+            emit(ctx, jax_names.fresh_token(), operands, params, [], EAGER_SITE)
             return [mlir.ir_constant(np.zeros((), np.int32))]
-        _, *results = emit(ctx, _compat.fresh_token(), operands, params, list(ctx.avals_out), EAGER_SITE)
+        _, *results = emit(ctx, jax_names.fresh_token(), operands, params, list(ctx.avals_out), EAGER_SITE)
         return results
 
     if _mpi.BUILD_INFO["cuda"]:
@@ -391,7 +394,7 @@ def _register_missing_cuda(prim: Primitive) -> None:
     mlir.register_lowering(_eager_twins[prim], unavailable, platform="cuda")
 
 
-_DUMMY_AVAL = _compat.ShapedArray((), np.int32)
+_DUMMY_AVAL = jax_names.ShapedArray((), np.int32)
 
 
 def comm_attr(comm: Communicator) -> np.int64:
@@ -417,13 +420,13 @@ def is_undefined(x: Any) -> bool:
 
 def moveaxis_or_broadcast(x: Any, bdim: Any, target: int, size: int) -> Any:
     """Put the batch dimension of `x` at `target` (broadcasting if unbatched)."""
-    if bdim is _compat.not_mapped:
+    if bdim is jax_names.not_mapped:
         x = jnp.broadcast_to(x, (size, *np.shape(x)))
         bdim = 0
     return jnp.moveaxis(x, bdim, target)
 
 
-not_mapped = _compat.not_mapped
+not_mapped = jax_names.not_mapped
 
 
 
@@ -471,7 +474,7 @@ def apply_collective(
     """
     if op is not None:
         params["op"] = op
-    if isinstance(x, jax.Array) and _compat.at_top_level():
+    if isinstance(x, jax.Array) and jax_names.at_top_level():
         # The common eager case: one array, no pytree walk, checked once.
         key = (prim, comm, x.dtype, *params.items())
         program = _eager_programs.get(key)
@@ -504,13 +507,13 @@ def apply_collective(
 # with its own token is not ordered with the program's other collectives,
 # and ranks whose shapes differ then run them in different orders (issue 57).
 # Instead the hiding primitive is made to declare the MPI effect of its body
-# (distlinalg/_lineax_effects.py for lineax), so the program's token flows
+# (distlinalg/lineax/_effects.py for lineax), so the program's token flows
 # through it. A primitive nobody taught this fails to lower (JAX's
 # ``KeyError: MPIEffect``) on every rank alike: an error, never a race.
 def lowering_without_mpi_token() -> bool:
     """Whether code traced now is being traced by a lowering rule (``mlir.lower_fun``,
     e.g. inside lineax's ``linear_solve``) rather than by jit/eval_shape."""
-    return _compat.lowering_trace()
+    return jax_names.lowering_trace()
 
 
 __all__ = [

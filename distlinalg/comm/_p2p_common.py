@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from mpi4py import MPI
 
-from .._mpi import USER_TAG_LIMIT, check_rank, check_tag
+from .._runtime.mpi import USER_TAG_LIMIT, check_rank, check_tag
 from . import _core
 
 ANY_SOURCE = MPI.ANY_SOURCE

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from .._mpi import Communicator, ReduceOp, resolve_comm
+from .._runtime.mpi import Communicator, ReduceOp, resolve_comm
 from . import _core
 from ._core import ad, batching
 

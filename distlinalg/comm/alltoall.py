@@ -12,7 +12,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from .._mpi import Communicator, resolve_comm
+from .._runtime.mpi import Communicator, resolve_comm
 from . import _core
 from ._core import ad, batching
 

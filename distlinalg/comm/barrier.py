@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._mpi import resolve_comm
+from .._runtime.mpi import resolve_comm
 from . import _core
 
 barrier_p = _core.new_primitive("barrier", multiple_results=True)

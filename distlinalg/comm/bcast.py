@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .._mpi import Communicator, check_rank, resolve_comm
+from .._runtime.mpi import Communicator, check_rank, resolve_comm
 from . import _core
 from ._core import ad, batching
 
@@ -33,7 +33,7 @@ def _bcast_jvp(primals, tangents, *, comm: Communicator, root: int):
 
 def _bcast_transpose(ct, x, *, comm: Communicator, root: int):
     from .reduce import reduce_p  # the two transpose into each other
-    from .._mpi import ReduceOp
+    from .._runtime.mpi import ReduceOp
 
     return (reduce_p.bind(_core.instantiate(ct), comm=comm, op=ReduceOp.SUM, root=root),)
 

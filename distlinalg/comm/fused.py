@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._mpi import check_dtype, resolve_comm, resolve_op
+from .._runtime.mpi import check_dtype, resolve_comm, resolve_op
 from . import _core
 from .allreduce import allreduce_p
 

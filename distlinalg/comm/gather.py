@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import Communicator, check_rank, resolve_comm
+from .._runtime.mpi import Communicator, check_rank, resolve_comm
 from . import _core
 from ._core import ad, batching
 

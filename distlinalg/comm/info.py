@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._mpi import Communicator, resolve_comm
+from .._runtime.mpi import Communicator, resolve_comm
 
 
 def rank(comm: Any = None) -> int:

@@ -66,8 +66,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _compat
-from .._mpi import Communicator, ReduceOp, check_dtype, resolve_comm, resolve_op
+from .._runtime import jax_names
+from .._runtime.mpi import Communicator, ReduceOp, check_dtype, resolve_comm, resolve_op
 from . import _core
 from ._core import ad, batching
 
@@ -201,7 +201,7 @@ _core.register_lowering(
 
 
 def _bind_wait(marker: Any, *, comm: Communicator, key: tuple, start: str, route: Any = None) -> Any:
-    if not _compat.at_top_level():
+    if not jax_names.at_top_level():
         _waits_traced.add(key)
     return _core.bind(wait_p, marker, comm=comm, key=key, start=start, route=route)
 
@@ -314,7 +314,7 @@ def _wait_batch(args, dims, *, comm, key, start, route):
     if d == marker.ndim - 1:  # the marker's depth axis stays last
         marker, d = jnp.moveaxis(marker, d, 0), 0
     out = wait_p.bind(marker, comm=comm, key=key, start=start, route=route)
-    return out, (_compat.not_mapped if start == "isend" else d)
+    return out, (jax_names.not_mapped if start == "isend" else d)
 
 
 for _name, _prim in _STARTS.items():
@@ -368,7 +368,7 @@ class Request:
 
 
 def _new_keys(count: int) -> tuple:
-    if not _compat.at_top_level():
+    if not jax_names.at_top_level():
         return tuple(("traced", next(_fresh_keys)) for _ in range(count))
     keys = []
     for _ in range(count):
@@ -390,7 +390,7 @@ def _start_all(start: str, x: Any, comm: Communicator, **params: Any) -> Request
 
 def _note_eager_start(start: str, keys: tuple) -> None:
     """Eager requests are remembered until waited for (completed at exit otherwise)."""
-    if _compat.at_top_level():
+    if jax_names.at_top_level():
         where = "".join(traceback.format_list(traceback.extract_stack(limit=5)[:-3])).strip()
         for k in keys:
             _eager_pending[k] = f"{start} started at {where}"
@@ -497,7 +497,7 @@ def wait(request: Request) -> Any:
         )
     if request.start in _P2P_WAITERS:
         return _P2P_WAITERS[request.start](request)
-    if _compat.at_top_level() and marker_depth(request.comm) == 1:
+    if jax_names.at_top_level() and marker_depth(request.comm) == 1:
         # One rank: the markers hold the result and the extension keeps no
         # request, so its check that a request is waited for once is made here.
         for key in request.keys:
@@ -534,7 +534,7 @@ def _wait_for_pending_at_exit() -> None:
 
 
 def _native_wait_discard(key: tuple) -> None:
-    from .. import _mpi
+    from .._runtime import mpi as _mpi
 
     _mpi._native.wait_discard(int(_key_number(key)))
 

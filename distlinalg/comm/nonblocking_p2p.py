@@ -66,10 +66,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import ADJOINT_TAG_FLAG, PROC_NULL, TANGENT_TAG_FLAG, check_dtype, check_rank, check_tag, resolve_comm
+from .._runtime.mpi import ADJOINT_TAG_FLAG, PROC_NULL, TANGENT_TAG_FLAG, check_dtype, check_rank, check_tag, resolve_comm
 from . import _core
 from . import nonblocking as nb
-from .._compat import not_mapped
+from .._runtime.jax_names import not_mapped
 from ._core import ad, batching
 
 
@@ -130,7 +130,7 @@ def _start(prim: Any, x: Any, active: Any, *, comm, peer, tag, key, flagged=Fals
 
 
 def _note_wait(key: tuple) -> None:
-    if not nb._compat.at_top_level():
+    if not nb.jax_names.at_top_level():
         nb._waits_traced.add(key)
 
 

@@ -42,7 +42,9 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from .. import _compat, _mpi
+from .._runtime import jax_names
+from .._runtime import patches
+from .._runtime import mpi as _mpi
 from . import _core
 from ._core import ad, batching
 from .nonblocking import Request, wait
@@ -81,26 +83,26 @@ def _fence_lowering(ctx: Any, *xs: Any, pass_through: bool, mpi_order: bool) -> 
     # GPUs (no stream synchronisation). An optimization_barrier would not
     # do: XLA's CPU pipeline removes barriers before it schedules.
     zero_aval = _core.shaped((), np.float32)
-    _compat.mark_mpi_module(ctx)
-    sub = _compat.replace_lowering_avals(
-        ctx, [_compat.abstract_token, *ctx.avals_in], [_compat.abstract_token, zero_aval]
+    patches.mark_mpi_module(ctx)
+    sub = jax_names.replace_lowering_avals(
+        ctx, [jax_names.abstract_token, *ctx.avals_in], [jax_names.abstract_token, zero_aval]
     )
     rule = jax.ffi.ffi_lowering("distlinalg_fence", has_side_effect=True)
-    token_out, zero = rule(sub, _compat.token_in(ctx, _core.mpi_effect), *xs)
-    _compat.set_token_out(ctx, _core.mpi_effect, token_out)
+    token_out, zero = rule(sub, jax_names.token_in(ctx, _core.mpi_effect), *xs)
+    jax_names.set_token_out(ctx, _core.mpi_effect, token_out)
     if not pass_through:
         return xs
-    add = _compat.effect_free_lowering_context(ctx, [zero_aval, *ctx.avals_in], ctx.avals_out)
+    add = jax_names.effect_free_lowering_context(ctx, [zero_aval, *ctx.avals_in], ctx.avals_out)
     return mlir.lower_fun(lambda z, *xs: [_plus(z, x) for x in xs], multiple_results=True)(add, zero, *xs)
 
 
 def _gpu_fence_lowering(ctx: Any, *xs: Any, pass_through: bool, mpi_order: bool) -> Sequence[Any]:
     if mpi_order:
         return _fence_lowering(ctx, *xs, pass_through=pass_through, mpi_order=mpi_order)
-    _compat.set_token_out(ctx, _core.mpi_effect, _compat.token_in(ctx, _core.mpi_effect))
+    jax_names.set_token_out(ctx, _core.mpi_effect, jax_names.token_in(ctx, _core.mpi_effect))
     if not pass_through:  # nothing waits for the arrays: the identity
         return xs
-    barrier = _compat.effect_free_lowering_context(ctx, ctx.avals_in, ctx.avals_out)
+    barrier = jax_names.effect_free_lowering_context(ctx, ctx.avals_in, ctx.avals_out)
     return mlir.lower_fun(lambda *xs: list(jax.lax.optimization_barrier(xs)), multiple_results=True)(barrier, *xs)
 
 
@@ -165,7 +167,7 @@ def fence(tree: Any, *, pass_through: bool = True, mpi_order: bool = True) -> An
     custom call); the CPU keeps the custom call.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if not leaves or _compat.at_top_level():
+    if not leaves or jax_names.at_top_level():
         return tree
     leaves = [_core.as_array(leaf) for leaf in leaves]
     return jax.tree_util.tree_unflatten(treedef, fence_p.bind(*leaves, pass_through=pass_through, mpi_order=mpi_order))

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .._mpi import Communicator, ReduceOp, check_rank, resolve_comm, resolve_op
+from .._runtime.mpi import Communicator, ReduceOp, check_rank, resolve_comm, resolve_op
 from . import _core
 from ._core import ad, batching
 from .allreduce import allreduce_p, product_of_others, tie_weights

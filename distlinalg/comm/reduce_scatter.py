@@ -20,7 +20,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import Communicator, ReduceOp, resolve_comm, resolve_op
+from .._runtime.mpi import Communicator, ReduceOp, resolve_comm, resolve_op
 from . import _core
 from ._core import ad, batching
 from .allgather import allgather_p

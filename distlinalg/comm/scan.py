@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import PROC_NULL, Communicator, ReduceOp, check_dtype, resolve_comm, resolve_op
+from .._runtime.mpi import PROC_NULL, Communicator, ReduceOp, check_dtype, resolve_comm, resolve_op
 from . import _core
 from ._core import ad, batching
 from .sendrecv import sendrecv_p

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import (
+from .._runtime.mpi import (
     ADJOINT_TAG_FLAG,
     PROC_NULL,
     TANGENT_TAG_FLAG,

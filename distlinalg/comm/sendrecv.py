@@ -89,7 +89,7 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from .._mpi import (
+from .._runtime.mpi import (
     ADJOINT_TAG_FLAG,
     PROC_NULL,
     TANGENT_TAG_FLAG,

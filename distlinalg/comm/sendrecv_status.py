@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import ADJOINT_TAG_FLAG, PROC_NULL, TANGENT_TAG_FLAG
+from .._runtime.mpi import ADJOINT_TAG_FLAG, PROC_NULL, TANGENT_TAG_FLAG
 from . import _core
 from ._core import ad, batching
 from ._p2p_common import ANY_SOURCE, ANY_TAG, _aval, _batch_operands

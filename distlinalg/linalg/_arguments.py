@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import Communicator, resolve_comm
+from .._runtime.mpi import Communicator, resolve_comm
 from ..operators._partition import Partition, exchange_rows
 from ..solvers._arguments import collectively
 from ._layout import RowSplit

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._mpi import Communicator
+from .._runtime.mpi import Communicator
 from ..comm.alltoall import alltoall
 from ..comm.sendrecv import sendrecv
 from ..operators._partition import Partition, allgather_blocks

@@ -42,9 +42,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _mpi
-from .._compat import mlir
-from .._mpi import Communicator, resolve_comm
+from .._runtime import mpi as _mpi
+from .._runtime.jax_names import mlir
+from .._runtime.mpi import Communicator, resolve_comm
 from ..comm import _core
 
 __all__ = ["available", "potrf_solve", "gesv", "heevd", "default_grid", "default_block", "MKL_REQUIREMENT"]
@@ -99,7 +99,7 @@ def _threading_layer() -> tuple[str, str]:
     choice = os.environ.get("DISTLINALG_MKL_THREADING", "sequential").strip().lower()
     if choice == "gnu":
         if "MKL_NUM_THREADS" not in os.environ:
-            # The cores distlinalg gave this rank (distlinalg/_cpu.py), not the node's.
+            # The cores distlinalg gave this rank (distlinalg/_runtime/cpu.py), not the node's.
             os.environ["MKL_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
         return "libmkl_gnu_thread", f"GNU OpenMP threading, {os.environ['MKL_NUM_THREADS']} threads"
     if choice != "sequential":

@@ -86,7 +86,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import resolve_comm
+from .._runtime.mpi import resolve_comm
 from ..comm import allgather, allreduce, bcast
 from ._ntk_solvers import cholesky_distributed, pinv_smooth_distributed
 

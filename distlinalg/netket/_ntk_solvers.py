@@ -111,7 +111,7 @@ def _replicated(name: str, rows_fn: Any, A: Any, b: Any, options: dict) -> tuple
     from jax.flatten_util import ravel_pytree
     from mpi4py import MPI
 
-    from .._mpi import resolve_comm
+    from .._runtime.mpi import resolve_comm
 
     if not isinstance(A, jax.Array) and hasattr(A, "to_dense"):
         A = A.to_dense()

@@ -4,7 +4,7 @@ NetKet 3.19+ has no MPI, and its SR paths compute from the samples of the
 process they run in: ``nk.optimizer.SR`` calls its QGT constructor on the
 state, the QGT constructors read ``vstate.samples``, and ``nk.driver.VMC_SR``
 forms its matrices in ``compute_loss_and_update``. None of them offers a hook,
-so :func:`install` routes these entry points, for a distributed state only,
+so :func:`install` (rows ``netket-*`` of ``distlinalg._runtime.patches.TABLE``) routes these entry points, for a distributed state only,
 to the global computations of :mod:`._qgt` and :mod:`._vmc_sr` (every other
 state takes NetKet's code unchanged):
 
@@ -136,9 +136,16 @@ def install() -> None:
         return
     from netket.optimizer import qgt as nk_qgt
 
+    from .._runtime import patches
+
+    patches.warn_outside_checked("netket")
     for kind in ("QGTJacobianDense", "QGTJacobianPyTree", "QGTOnTheFly"):
         _route_qgt_constructor(getattr(nk_qgt, kind), kind)
+    patches.record("netket-qgt-constructors", "applied")
     _route_preconditioner()
+    patches.record("netket-sr-lhs", "applied")
     _route_vmc_sr()
+    patches.record("netket-vmc-sr-step", "applied")
     _guard_drivers()
+    patches.record("netket-driver-guard", "applied")
     _INSTALLED = True

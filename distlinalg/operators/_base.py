@@ -38,8 +38,9 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from .. import _compat, _trees
-from .._mpi import Communicator, resolve_comm
+from .. import _trees
+from .._runtime import jax_names
+from .._runtime.mpi import Communicator, resolve_comm
 from .._trees import Structure
 from ..comm._core import MPIEffect
 from ..comm.fused import tree_allreduce
@@ -510,7 +511,7 @@ def eager_product(operator: LinearOperator, v: Any) -> Any:
     (a repeated eager ``S @ v`` then costs one program run, not the model's
     operations dispatched one by one). None inside a trace: the caller
     applies the model directly there."""
-    return _linearised_product(operator, v) if _compat.at_top_level() else None
+    return _linearised_product(operator, v) if jax_names.at_top_level() else None
 
 
 # -- an operator from functions --------------------------------------------------------

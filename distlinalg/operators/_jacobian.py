@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from .._mpi import Communicator, resolve_comm
+from .._runtime.mpi import Communicator, resolve_comm
 from .._trees import Structure, flat_size, is_complex, join_complex, leaves, split_complex, tree_map
 from ..comm import _core
 from ..comm.allreduce import allreduce

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import ad
-from .._mpi import Communicator, resolve_comm
+from .._runtime.mpi import Communicator, resolve_comm
 from .._trees import Structure
 from ..comm.fused import tree_allreduce
 from ._base import LinearOperator, eager_product, function_operator, linearise, operator_class

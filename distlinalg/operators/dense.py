@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._mpi import Communicator, resolve_comm
+from .._runtime.mpi import Communicator, resolve_comm
 from .._trees import Structure
 from ._base import LinearOperator, operator_class, static
 from ._partition import Partition, allgather_blocks, partition_of_local_sizes, reduce_scatter_blocks, resolve_partition

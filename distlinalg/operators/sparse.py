@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import Communicator, resolve_comm
+from .._runtime.mpi import Communicator, resolve_comm
 from ..comm.alltoall import alltoall
 from ..comm.nonblocking_p2p import irecv, isend
 from ..comm.overlap import overlap

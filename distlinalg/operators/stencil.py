@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import MPI, Communicator, resolve_comm
+from .._runtime.mpi import MPI, Communicator, resolve_comm
 from ..comm.nonblocking_p2p import irecv, isend
 from ..comm.overlap import fence, overlap
 from ..comm.p2p import sendrecv

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _compat
-from .._mpi import Communicator, resolve_comm
+from .._runtime import jax_names
+from .._runtime.mpi import Communicator, resolve_comm
 from ..comm.allgather import allgather
 from .._trees import join_complex, split_complex
 from ..operators import LAYOUTS, LinearOperator, aslinearoperator, linearise  # operators never import the solvers
@@ -330,7 +330,7 @@ def inside_library_internals() -> Iterator[None]:
 
 
 def _exchanges_allowed() -> bool:
-    return getattr(_adapter_state, "depth", 0) == 0 or _compat.at_top_level()
+    return getattr(_adapter_state, "depth", 0) == 0 or jax_names.at_top_level()
 
 
 def collectively(build: Callable[[], Any], comm: Communicator) -> Any:

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .._mpi import Communicator
+from .._runtime.mpi import Communicator
 from ..comm.allreduce import allreduce
 from ..comm.nonblocking import iallreduce, wait
 from ..comm.overlap import overlap

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _compat
+from .._runtime import jax_names
 from ..comm.allreduce import allreduce
 from ..comm.fused import tree_allreduce
 from . import _arguments
@@ -168,7 +168,7 @@ def replicated_transpose(vecmat: Callable[[Any], Any], comm: Any) -> Callable[[A
 def _cast_like(x: Any, like: Any) -> Any:
     """x in `like`'s dtypes, weak where `like` is weak (jax.scipy keeps a Python-float b weak)."""
     return jax.tree_util.tree_map(
-        lambda v, ref: _compat.convert_element_type(v, ref.dtype, _compat.is_weakly_typed(ref)), x, like)
+        lambda v, ref: jax_names.convert_element_type(v, ref.dtype, jax_names.is_weakly_typed(ref)), x, like)
 
 
 # Restarts from the true residual after a convergence claim it did not back.

@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from .. import _compat
-from .._mpi import Communicator, resolve_comm
+from .._runtime import jax_names
+from .._runtime.mpi import Communicator, resolve_comm
 from ..comm.allreduce import allreduce
 from ..operators import LinearOperator
 
@@ -97,7 +97,7 @@ def compiled_when_eager(solver: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(solver)
     def dispatch(A: Any, b: Any, x0: Any = None, *, M: Any = None, **options: Any) -> Any:
-        if not _compat.at_top_level():
+        if not jax_names.at_top_level():
             return solver(A, b, x0, M=M, **options)
         if options.get("comm") is not None:  # (mpi4py communicators are not hashable)
             comm = options["comm"] = resolve_comm(options["comm"])

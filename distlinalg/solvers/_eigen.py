@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import Communicator
+from .._runtime.mpi import Communicator
 from . import _arguments
 from ._common import Reductions
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _compat
+from .._runtime import jax_names
 from ..comm.overlap import fence
 from .._kernels.fused_update import fused_update
 from .._kernels.local_dots import HANDLER_DTYPES, local_dots
@@ -36,7 +36,7 @@ def as_coefficient(alpha: Any, leaf: Any) -> Any:
     """The scalar `alpha` in `leaf`'s dtype (and weak type); real leaves take Re alpha."""
     if not jnp.iscomplexobj(leaf) and jnp.iscomplexobj(alpha):
         alpha = jnp.real(alpha)
-    return _compat.convert_element_type(alpha, jnp.result_type(leaf), _compat.is_weakly_typed(leaf))
+    return jax_names.convert_element_type(alpha, jnp.result_type(leaf), jax_names.is_weakly_typed(leaf))
 
 
 def axpy(alpha: Any, x: Any, y: Any) -> Any:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
 
-from .._mpi import Communicator
+from .._runtime.mpi import Communicator
 from ..operators import LinearOperator, linearise, operator_class, static
 from ..operators._partition import exchange_rows
 from ..operators.dense import DenseRowsOperator

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import Communicator, resolve_comm
+from .._runtime.mpi import Communicator, resolve_comm
 from ..operators import LinearOperator, aslinearoperator, linearise, operator_class, static
 from ._arguments import agree_options
 from ._common import Reductions

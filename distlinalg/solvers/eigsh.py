@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mpi import resolve_comm
+from .._runtime.mpi import resolve_comm
 from ..operators import LinearOperator, Partition, linearise
 from . import _arguments
 from ._common import Reason, Reductions

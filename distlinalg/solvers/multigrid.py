@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
 
-from .._mpi import Communicator, ReduceOp
+from .._runtime.mpi import Communicator, ReduceOp
 from ..comm.allreduce import allreduce
 from ..operators import LinearOperator, linearise, operator_class, static
 from ..operators._partition import Partition

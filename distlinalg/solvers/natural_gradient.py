@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg
 from jax.flatten_util import ravel_pytree
 
-from .._mpi import resolve_comm
+from .._runtime.mpi import resolve_comm
 from ..comm.allreduce import allreduce
 from .._trees import stack_complex, tree_map, unstack_complex
 from ..operators import GramOperator, Jacobian, ModelPoint, Partition, SampleGramOperator, linearise

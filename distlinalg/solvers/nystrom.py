@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from .._mpi import Communicator, resolve_comm
+from .._runtime.mpi import Communicator, resolve_comm
 from .._trees import join_complex, split_complex
 from ..comm.allreduce import allreduce
 from ..operators import LinearOperator, aslinearoperator, linearise, operator_class, static

@@ -25,6 +25,11 @@ from distlinalg.comm import allreduce  # noqa: E402
 from distlinalg.solvers import Reason  # noqa: E402
 from conftest import uneven_partition  # noqa: E402
 
+# The paths optimistix's users write (optx.least_squares with distlinalg's solvers) run
+# through distlinalg's least_squares only after this explicit call; the test below of
+# optimistix's own function shows what happens without it.
+dlx.install_least_squares()
+
 
 def concat_blocks(local, comm):
     return np.concatenate(comm.allgather(np.asarray(local)))
@@ -460,6 +465,26 @@ def test_optimistix_compositions_that_cannot_be_global_raise(comm, rank, size):
     np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [size])
 
 
+@pytest.mark.parametrize("piece", ["GaussNewton", "LevenbergMarquardt", "norm"])
+def test_optimistix_least_squares_without_the_install_raises(comm, rank, size, piece):
+    """optimistix's own least_squares (what optx.least_squares is until
+    dlx.install_least_squares()) given distlinalg's pieces raises at trace time
+    on every rank, naming both ways out, instead of taking rank-local decisions
+    and derivatives; distlinalg's own least_squares runs the same call."""
+    _, _, t, y, _ = _exponential_fit_data(size, rank)
+    theta0 = jnp.array([1.0, -0.5, 0.0])
+    solver = {"GaussNewton": dlx.GaussNewton(1e-8, 1e-8),
+              "LevenbergMarquardt": optx.LevenbergMarquardt(1e-8, 1e-8, norm=dlx.max_norm,
+                                                            linear_solver=dlx.NormalCG(rtol=1e-10, atol=0.0)),
+              "norm": optx.GaussNewton(1e-8, 1e-8, norm=dlx.rms_norm)}[piece]
+    optimistix_own = dlx.least_squares.optimistix_least_squares
+    with pytest.raises(ValueError, match=r"inside optimistix.least_squares.*install_least_squares"):
+        optimistix_own(_exponential_residuals, solver, theta0, args=(t, y), max_steps=5, throw=False)
+    fit = dlx.least_squares(_exponential_residuals, solver, theta0, args=(t, y), max_steps=5, throw=False)
+    values = comm.allgather(np.asarray(fit.value))
+    assert all(np.array_equal(other, values[0]) for other in values)
+
+
 def test_minres_shift_under_differentiation(comm, rank, size):
     """dlx.MINRES(shift=σ) with σ differentiated raises on every rank, naming
     the ways that differentiate it (lineax treats its solver as constant);
@@ -574,12 +599,14 @@ def test_optimistix_least_squares_uneven(comm, rank, size, kind):
 
 @pytest.mark.max_ranks(1)  # no communication
 def test_lineax_patch_is_installed_and_warns_outside_the_checked_versions(monkeypatch):
-    """The patch of lineax's linear_solve_p (distlinalg/_lineax_effects.py) is in force after
-    `import distlinalg.lineax`, and names the package, its version and the patch when the
-    installed version is not the one it was checked on."""
-    from distlinalg import _lineax_effects
+    """The patch of lineax's linear_solve_p (distlinalg/lineax/_effects.py, row
+    lineax-solve-effect of the patch table) is in force after `import distlinalg.lineax`,
+    and a lineax outside the checked versions warns, naming its version and the patch."""
+    from distlinalg._runtime import patches
+    from distlinalg.lineax import _effects
 
-    assert _lineax_effects.installed()
-    monkeypatch.setitem(_lineax_effects.CHECKED_ON, "lineax", "0.0.0")
-    with pytest.warns(RuntimeWarning, match=r"lineax \S+ was not checked .* linear_solve_p .* lineax 0\.0\.0"):
-        _lineax_effects._warn_outside_checked_versions()
+    assert _effects.installed() and patches.state("lineax-solve-effect") == "applied"
+    monkeypatch.setitem(patches.CHECKED_VERSIONS, "lineax", ("0.0",))
+    monkeypatch.setattr(patches, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match=r"lineax \S+ is outside .*0\.0\.x.*lineax-solve-effect"):
+        patches.warn_outside_checked("lineax")

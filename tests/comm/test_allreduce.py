@@ -163,7 +163,7 @@ def test_checkpoint_and_custom_jvp(comm, rank, size):
 def test_ahead_of_time_compiled_programs_run_repeatedly(comm, rank, size):
     """``jax.jit(f).lower(x).compile()`` called again and again: JAX's AOT fast
     path dropped the ordered effect's token from the second call on
-    (_compat._keep_ordered_effects_off_the_aot_fast_path)."""
+    (patches._keep_ordered_programs_off_the_aot_fast_path)."""
     from distlinalg.operators import laplacian_2d
     from distlinalg.solvers import cg
 

@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 import distlinalg
-from distlinalg._mpi import PROC_NULL, TANGENT_TAG_FLAG, configure, resolve_comm
+from distlinalg._runtime.mpi import PROC_NULL, TANGENT_TAG_FLAG, configure, resolve_comm
 from distlinalg.comm.allreduce import allreduce
 from distlinalg.comm.p2p import recv, send, sendrecv
 from conftest import assert_no_failures, failure_of, gather_global

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from distlinalg._mpi import PROC_NULL, configure
+from distlinalg._runtime.mpi import PROC_NULL, configure
 from distlinalg.comm import ANY_SOURCE, ANY_TAG, Status, allreduce, recv, send, sendrecv
 from conftest import assert_no_failures, failure_of, gather_global
 

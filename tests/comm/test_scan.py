@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from distlinalg.comm.allreduce import allreduce
 from distlinalg.comm.scan import exscan, identity_of, scan
-from distlinalg._mpi import ReduceOp
+from distlinalg._runtime.mpi import ReduceOp
 from conftest import gather_global
 
 OPS = ["sum", "prod", "min", "max"]

@@ -31,7 +31,8 @@ import numpy as np
 import pytest
 
 import distlinalg as dl
-from distlinalg import _mpi, comm as dlc
+from distlinalg import comm as dlc
+from distlinalg._runtime import mpi as _mpi
 from distlinalg.operators import laplacian_2d
 
 from conftest import TESTS_DIR
@@ -382,7 +383,7 @@ def test_one_rank_solvers_at_real_sizes_have_no_mpi_calls(solver, kwargs):
 
 def test_eager_twin_lowers_for_cuda(x, handlers_on_one_rank):
     """The effect-free twin that eager calls compile is registered for CUDA as well."""
-    from distlinalg._mpi import ReduceOp, resolve_comm
+    from distlinalg._runtime.mpi import ReduceOp, resolve_comm
     from distlinalg.comm import _core
 
     twin = _core._eager_twins[dlc.allreduce_p]
@@ -398,16 +399,17 @@ def test_mpi_programs_compile_for_gpus_without_dynamic_slice_fusion(x, handlers_
     from jax._src import compiler
     from jax._src.lib import xla_client
 
-    from distlinalg import _compat
+    from distlinalg._runtime import jax_names
+    from distlinalg._runtime import patches
 
     def module(fn):
         return jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).compiler_ir()
 
     with_mpi, without = module(lambda v: dlc.allreduce(v) + 1), module(lambda v: v + 1)
     fenced = module(lambda v: dlc.overlap(dlc.iallreduce(v), jnp.sin, v)[1])
-    assert _compat.MPI_MODULE_ATTRIBUTE in with_mpi.operation.attributes
-    assert _compat.MPI_MODULE_ATTRIBUTE in fenced.operation.attributes
-    assert _compat.MPI_MODULE_ATTRIBUTE not in without.operation.attributes
+    assert patches.MPI_MODULE_ATTRIBUTE in with_mpi.operation.attributes
+    assert patches.MPI_MODULE_ATTRIBUTE in fenced.operation.attributes
+    assert patches.MPI_MODULE_ATTRIBUTE not in without.operation.attributes
     assert getattr(compiler.compile_or_get_cached, "_distlinalg_gpu_options", False)
 
     class Backend:
@@ -417,7 +419,7 @@ def test_mpi_programs_compile_for_gpus_without_dynamic_slice_fusion(x, handlers_
     def overrides(platform, computation, given=()):
         options = xla_client.CompileOptions()
         options.env_option_overrides = list(given)
-        return dict(_compat.compile_options_for(Backend(platform), None, computation, options).env_option_overrides)
+        return dict(patches.compile_options_for(Backend(platform), None, computation, options).env_option_overrides)
 
     assert overrides("cuda", with_mpi) == {"xla_gpu_enable_dynamic_slice_fusion": False}
     assert overrides("rocm", fenced) == {"xla_gpu_enable_dynamic_slice_fusion": False}

@@ -18,7 +18,9 @@ import pytest
 from mpi4py import MPI
 
 import distlinalg as dl
-from distlinalg import _compat, _cuda, _mpi
+from distlinalg._runtime import jax_names
+from distlinalg._runtime import cuda as _cuda
+from distlinalg._runtime import mpi as _mpi
 
 from conftest import assert_matches_reference
 
@@ -141,10 +143,10 @@ def pretend_cuda_jax(monkeypatch, tmp_path):
     """select_device's view of a machine with JAX's CUDA plugin and N GPUs."""
     chosen = []
     monkeypatch.setattr(_cuda, "cuda_plugin_installed", lambda: True)
-    monkeypatch.setattr(_compat, "backends_started", lambda: False)
-    monkeypatch.setattr(_compat, "cuda_visible_devices", lambda: "all")
-    monkeypatch.setattr(_compat, "requested_platforms", lambda: "")
-    monkeypatch.setattr(_compat, "set_cuda_visible_devices", chosen.append)
+    monkeypatch.setattr(jax_names, "backends_started", lambda: False)
+    monkeypatch.setattr(jax_names, "cuda_visible_devices", lambda: "all")
+    monkeypatch.setattr(jax_names, "requested_platforms", lambda: "")
+    monkeypatch.setattr(jax_names, "set_cuda_visible_devices", chosen.append)
     monkeypatch.setattr(_cuda, "visible_gpu_count", lambda: int(os.environ["DISTLINALG_STUB_GPUS"]))
     saved = dict(_cuda.STATE)
     yield chosen
@@ -207,7 +209,7 @@ def test_a_bad_gpu_setting_on_one_rank_raises_on_every_rank_of_the_node(pretend_
 
 def test_device_selection_leaves_a_started_backend_alone(pretend_cuda_jax, monkeypatch, comm, node):
     monkeypatch.setenv("DISTLINALG_STUB_GPUS", "2")
-    monkeypatch.setattr(_compat, "backends_started", lambda: True)
+    monkeypatch.setattr(jax_names, "backends_started", lambda: True)
     assert "unchanged" in _cuda.select_device(node)
     assert pretend_cuda_jax == []
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from distlinalg import _mpi
+from distlinalg._runtime import mpi as _mpi
 from distlinalg.comm import allreduce
 from distlinalg.linalg import _scalapack as engine
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from distlinalg import _mpi
+from distlinalg._runtime import mpi as _mpi
 from distlinalg.comm import allgather, allreduce, barrier, bcast, configure, reduce
 
 from conftest import REPO_ROOT, assert_no_failures, failure_of
@@ -140,13 +140,13 @@ def test_programs_run_after_a_failed_program_left_an_error_in_the_effect_token(c
     (JAX's token for the MPI effect holds an error), then programs with the
     effect run and agree.
     """
-    from distlinalg import _compat
+    from distlinalg._runtime import jax_names
     from distlinalg.comm._core import mpi_effect
 
     f = jax.jit(lambda x: allreduce(x, comm=comm))
     g = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, v: allreduce(v, comm=comm) / size, x))
     for program, expected in ((f, size), (g, 1.0)):
-        _compat.effect_tokens()[mpi_effect] = _compat.token(_FailedTokenBuffer())
+        jax_names.effect_tokens()[mpi_effect] = jax_names.token(_FailedTokenBuffer())
         np.testing.assert_allclose(program(jnp.ones(3)), np.full(3, expected))
         np.testing.assert_allclose(program(jnp.ones(3)), np.full(3, expected))
 
@@ -158,14 +158,14 @@ def test_program_without_results_raises_its_error_at_the_call(comm, size, monkey
 
     Set up on the CPU: the program's output token for the MPI effect holds an error.
     """
-    from distlinalg import _compat
+    from distlinalg._runtime import jax_names
     from distlinalg.comm._core import mpi_effect
 
-    token_set = _compat._dispatch.RuntimeTokenSet
+    token_set = jax_names._dispatch.RuntimeTokenSet
     hand_on = token_set.set_token_result
 
     def failing(self, eff, token):
-        hand_on(self, eff, _compat.token(_FailedTokenBuffer()) if eff == mpi_effect else token)
+        hand_on(self, eff, jax_names.token(_FailedTokenBuffer()) if eff == mpi_effect else token)
 
     without_results = jax.jit(lambda: barrier(comm=comm))
     with_results = jax.jit(lambda x: allreduce(x, comm=comm))
@@ -173,10 +173,10 @@ def test_program_without_results_raises_its_error_at_the_call(comm, size, monkey
     monkeypatch.setattr(token_set, "set_token_result", failing)
     with pytest.raises(jax.errors.JaxRuntimeError, match="an earlier program failed"):
         without_results()
-    assert mpi_effect not in _compat.effect_tokens()
+    assert mpi_effect not in jax_names.effect_tokens()
     # A program with results returns; its error would come with them.
     np.testing.assert_allclose(with_results(jnp.ones(2)), np.full(2, size))
-    assert isinstance(_compat.effect_tokens()[mpi_effect]._buf, _FailedTokenBuffer)
+    assert isinstance(jax_names.effect_tokens()[mpi_effect]._buf, _FailedTokenBuffer)
     monkeypatch.undo()
     np.testing.assert_allclose(with_results(jnp.ones(2)), np.full(2, size))  # the next dispatch recovers
     without_results()

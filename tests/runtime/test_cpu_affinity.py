@@ -1,4 +1,4 @@
-"""CPU placement at import (distlinalg/_cpu.py): node-local ranks get disjoint CPU blocks."""
+"""CPU placement at import (distlinalg/_runtime/cpu.py): node-local ranks get disjoint CPU blocks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import threading
 import pytest
 from mpi4py import MPI
 
-from distlinalg import _compat, _cpu
+from distlinalg._runtime import jax_names
+from distlinalg._runtime import cpu as _cpu
 
 
 def node_split(comm):
@@ -59,7 +60,7 @@ def test_import_time_placement_is_consistent(comm):
 def pretend_node(monkeypatch):
     """partition_cores on a pretend node: CPU sets chosen by the test, moves recorded."""
     moves = []
-    monkeypatch.setattr(_compat, "backends_started", lambda: False)
+    monkeypatch.setattr(jax_names, "backends_started", lambda: False)
     monkeypatch.setattr(_cpu, "_restrict_all_threads", moves.append)
     # BLAS limits recorded as ("blas", threads) among the moves, not applied to this process.
     monkeypatch.setattr(_cpu, "limit_blas_threads", lambda n: moves.append(("blas", n)) or f"{n} thread(s)")
@@ -99,7 +100,7 @@ def test_bound_or_oversubscribed_or_started_nodes_are_left_alone(pretend_node, c
     moves = pretend_node(lambda rank: [0])  # every rank on one CPU
     oversubscribed = _cpu.partition_cores(node)
     pretend_node(lambda rank: range(4))
-    monkeypatch.setattr(_compat, "backends_started", lambda: True)
+    monkeypatch.setattr(jax_names, "backends_started", lambda: True)
     started = _cpu.partition_cores(node)
     # Bound ranks keep their pools; an oversubscribed node and a started backend (NetKet
     # imported first) still get one BLAS thread per rank's share of the cores.

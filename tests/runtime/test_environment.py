@@ -31,6 +31,10 @@ def test_environment_report_under_mpiexec():
         assert key in text, (key, text)
     assert "rank 0 of 2" in text and "rank 1 of 2" in text
     assert "cross-rank check (DISTLINALG_CHECK): first-run" in text, text
+    # The patch table, with each JAX row's state in this process.
+    assert "patches (distlinalg/_runtime/patches.py" in text, text
+    for row in ("jax-aot-fast-path", "jax-failed-token", "jax-programs-without-results", "jax-gpu-compile-options"):
+        assert f"  {row} [jax " in text and text.split(f"  {row} [jax ")[1].split("\n")[0].endswith(": applied"), text
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "2147483648", "lots"])
@@ -43,7 +47,7 @@ def test_bad_max_count_is_an_import_error_not_a_hang(value):
 
 
 def test_library_mismatch_is_an_import_error(monkeypatch):
-    from distlinalg import _mpi
+    from distlinalg._runtime import mpi as _mpi
 
     class OtherLibrary:
         def __getattr__(self, name):
@@ -59,7 +63,7 @@ def test_library_mismatch_is_an_import_error(monkeypatch):
 
 
 def test_abi_mismatch_is_an_import_error(monkeypatch):
-    from distlinalg import _mpi
+    from distlinalg._runtime import mpi as _mpi
 
     monkeypatch.setitem(_mpi.BUILD_INFO, "comm_world_handle", 12345)
     with pytest.raises(ImportError, match="different MPI ABIs(.|\n)*Rebuild"):
@@ -130,13 +134,13 @@ def test_harness_reports_a_deadlocked_test_and_its_rank(tmp_path):
 def test_cancellable_waits_setting(choice, library, expected):
     """DISTLINALG_CANCELLABLE_WAITS (issue 57): collectives wait cancellably except under Open
     MPI by default (its nonblocking collectives are 1.8-2.6x slower); 1/0 force it."""
-    from distlinalg import _mpi
+    from distlinalg._runtime import mpi as _mpi
 
     assert _mpi._cancellable_collectives(choice, library) is expected
 
 
 def test_cancellable_waits_setting_rejects_other_values():
-    from distlinalg import _mpi
+    from distlinalg._runtime import mpi as _mpi
 
     with pytest.raises(ValueError, match="DISTLINALG_CANCELLABLE_WAITS must be auto, 1 or 0"):
         _mpi._cancellable_collectives("sometimes", "MPICH")

@@ -1,4 +1,4 @@
-"""The safety net (distlinalg/_safety.py): failing, stuck or interrupted ranks end the job.
+"""The safety net (distlinalg/_runtime/safety.py): failing, stuck or interrupted ranks end the job.
 
 Tests marked ``serial`` start their own mpiexec jobs (tests/scripts/safety_job.py)
 from one plain process, each bounded by a timeout and killed with its whole
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from distlinalg import _safety
-from distlinalg._env import parse_flag
+from distlinalg._runtime import safety as _safety
+from distlinalg._runtime.env import parse_flag
 from distlinalg.comm import allreduce, configure
 from conftest import REPO_ROOT
 from run_mpi import find_mpiexec
@@ -102,7 +102,7 @@ def test_configure_timeout_switches_the_watchdog(comm):
 
 
 def test_describe_call_names_op_arguments_and_communicator(comm):
-    from distlinalg import _mpi
+    from distlinalg._runtime import mpi as _mpi
 
     call = {"op": "recv", "dtype": "float64", "count": 3, "root": 1, "comm": _mpi.DEFAULT_COMM.handle,
             "rank": 0, "seconds": 2.5, "seq": 7}
@@ -449,7 +449,7 @@ def test_every_switch_reads_the_same_words(variable):
     words in any case, and a ValueError naming the variable for a typo (any
     value but 0/false/no/off used to turn DISTLINALG_DEBUG on, and only "1"
     turned DISTLINALG_YNN_FUSION on)."""
-    probe = ("import distlinalg, distlinalg._mpi as m, distlinalg._cuda as c\n"
+    probe = ("import distlinalg, distlinalg._runtime.mpi as m, distlinalg._runtime.cuda as c\n"
              "print(m._native.settings()['debug_log'], c.emulated(), distlinalg.YNN_FUSION.startswith('kept'))")
 
     def run(value, code=probe):

@@ -1,42 +1,10 @@
-"""distlinalg inside lineax and optimistix: operators and Krylov solvers across ranks.
-
-``lineax.linear_solve(op, b, solver=distlinalg.lineax.CG(rtol=..., atol=...))``
-solves across ranks and returns lineax's ``Solution``, its ``result`` mapped
-from distlinalg's reason (:func:`result_of`). What maps to what:
-
-* :class:`DistributedOperator` wraps a distlinalg
-  :class:`~distlinalg.operators.LinearOperator` (any layout) as a lineax
-  operator: ``mv`` is the distributed matvec, ``transpose()`` distlinalg's
-  ``.T`` (the matrix transpose also for replicated operators whose matvec
-  communicates), tags from the operator's flags, ``as_matrix()`` the global
-  matrix (replicated layout only).
-* :class:`CG`, :class:`MINRES`, :class:`GMRES`, :class:`BiCGStab` run
-  ``distlinalg.cg`` … on any lineax operator (a :class:`DistributedOperator`
-  brings its layout; any other operator is taken in the solver's `layout`);
-  :class:`NormalCG` solves least-squares problems min ‖A x − b‖ whose rows
-  (residuals) are sharded and whose unknowns are replicated, the form of
-  optimistix's Gauss–Newton step over sharded data.
-* :class:`Ordered` runs any lineax solver (``lineax.CG``, ``lineax.GMRES``…)
-  on an operator whose matvec calls distlinalg collectives, refusing sharded
-  operators (lineax's own inner products would be this rank's alone).
-* :func:`max_norm`, :func:`rms_norm`, :func:`two_norm`: optimistix norms over
-  every rank's entries of sharded vectors, so every rank stops together.
-
-Program order: lineax's ``linear_solve_p`` declares no effects of its own, so
-JAX would lower its body without distlinalg's ordering token. Importing this
-module makes it declare the MPI effect of the solve it runs
-(``distlinalg._lineax_effects``): the program's token flows through every
-lineax solve, and the solve's collectives run in program order with every
-other collective of the program on every rank, whatever each rank's local
-shapes. See docs/lineax.md.
-
-Importing this module imports lineax and equinox (``pip install
-"distlinalg[lineax]"``); ``import distlinalg`` does not.
-"""
+"""distlinalg.lineax's operators, Krylov solvers and norms (the package docstring says what maps to what)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 from typing import Any, Callable, Iterator
 
@@ -45,19 +13,15 @@ import jax
 import jax.numpy as jnp
 import lineax as lx
 
-from . import _compat
-from . import solvers as _solvers
-from ._mpi import resolve_comm
-from . import _lineax_effects
-from .solvers import _arguments
-from .comm._core import lowering_without_mpi_token
-from .comm.allreduce import allreduce
-from .comm.fused import tree_allreduce
-from .operators import LinearOperator, aslinearoperator
-from .solvers import Reason
-
-# lineax's solve carries the program's MPI token (module docstring).
-_lineax_effects.install()
+from .._runtime import jax_names
+from .. import solvers as _solvers
+from .._runtime.mpi import resolve_comm
+from ..solvers import _arguments
+from ..comm._core import lowering_without_mpi_token
+from ..comm.allreduce import allreduce
+from ..comm.fused import tree_allreduce
+from ..operators import LinearOperator, aslinearoperator
+from ..solvers import Reason
 
 __all__ = [
     "DistributedOperator",
@@ -506,7 +470,7 @@ class MINRES(_KrylovSolver):
     shift: float = 0.0
 
     def __check_init__(self) -> None:
-        if _compat.carries_tangent(self.shift):
+        if jax_names.carries_tangent(self.shift):
             # lineax's linear_solve treats its solver as constant (and raises
             # "Unexpected tangent" for a differentiated one).
             raise ValueError(
@@ -610,6 +574,7 @@ class NormalCG(lx.AbstractLinearSolver):
     output_layout: str = eqx.field(static=True, default="sharded")
 
     def init(self, operator: Any, options: dict[str, Any]) -> Any:
+        check_least_squares_route("distlinalg.lineax.NormalCG")
         return operator
 
     def compute(self, state: Any, vector: Any, options: dict[str, Any]) -> tuple[Any, lx.RESULTS, dict]:
@@ -707,6 +672,39 @@ class Ordered(lx.AbstractLinearSolver):
 
 
 # ---------------------------------------------------------------------------
+# optimistix.least_squares without distlinalg's routing
+#
+# optimistix's least_squares given distlinalg's pieces (a NormalCG, a norm over ranks, the
+# global solvers) runs, but takes rank-local decisions or derivatives: optimistix's own
+# damped solvers count the damping rows on every rank, its ImplicitAdjoint uses this rank's
+# optimality condition. distlinalg.lineax.least_squares routes them; optimistix.least_squares
+# becomes it only by an explicit install_least_squares(). Until then, a distlinalg piece
+# traced inside optimistix's least_squares (and not inside distlinalg's) raises, on every
+# rank alike (the ranks trace the same program), instead of computing quietly from one
+# rank's residuals.
+ROUTING_CODES: set[Any] = set()  # the code of distlinalg.lineax.least_squares (lineax/_optimistix.py)
+_OPTIMISTIX_LEAST_SQUARES = os.path.join("optimistix", "_least_squares.py")
+
+
+def check_least_squares_route(piece: str) -> None:
+    """Raise if this trace is inside ``optimistix.least_squares`` but not distlinalg's."""
+    frame = sys._getframe(1)
+    inside_optimistix = False
+    while frame is not None:
+        code = frame.f_code
+        if code in ROUTING_CODES:
+            return
+        if code.co_name == "least_squares" and code.co_filename.endswith(_OPTIMISTIX_LEAST_SQUARES):
+            inside_optimistix = True
+        frame = frame.f_back
+    if inside_optimistix:
+        raise ValueError(
+            f"distlinalg.lineax: {piece} inside optimistix.least_squares, which would take its decisions and "
+            "derivatives from this rank's residuals. Call distlinalg.lineax.least_squares(...) with the same "
+            "arguments, or distlinalg.lineax.install_least_squares() once to make optimistix.least_squares it")
+
+
+# ---------------------------------------------------------------------------
 # optimistix norms over every rank's entries
 def max_norm(tree: Any) -> Any:
     """max ``|x_i|`` over every rank's entries (replicated values count once:
@@ -721,6 +719,7 @@ def max_norm(tree: Any) -> Any:
       >>> float(dlx.max_norm(x)) == 1.0 + comm.size()
       True
     """
+    check_least_squares_route("distlinalg.lineax.max_norm")
     leaves = [jnp.max(jnp.abs(x), initial=0.0) for x in jax.tree_util.tree_leaves(tree)]
     local = jnp.max(jnp.stack(leaves)) if leaves else jnp.zeros(())
     return allreduce(local, "max")
@@ -736,6 +735,7 @@ def two_norm(tree: Any) -> Any:
       >>> bool(jnp.isclose(dlx.two_norm(jnp.ones(4)), 2 * comm.size() ** 0.5))   # √(4 P)
       True
     """
+    check_least_squares_route("distlinalg.lineax.two_norm")
     leaves = [jnp.sum(jnp.abs(x) ** 2) for x in jax.tree_util.tree_leaves(tree)]
     return jnp.sqrt(allreduce(sum(leaves[1:], leaves[0]) if leaves else jnp.zeros(()), "sum"))
 
@@ -749,36 +749,8 @@ def rms_norm(tree: Any) -> Any:
       >>> float(dlx.rms_norm(jnp.full(3, 2.0)))
       2.0
     """
+    check_least_squares_route("distlinalg.lineax.rms_norm")
     leaves = jax.tree_util.tree_leaves(tree)
     count = allreduce(jnp.asarray(float(sum(x.size for x in leaves))), "sum")
     squares = sum(jnp.sum(jnp.abs(x) ** 2) for x in leaves) if leaves else jnp.zeros(())
     return jnp.sqrt(allreduce(squares, "sum") / count)
-
-
-# ---------------------------------------------------------------------------
-# optimistix's least-squares solvers over ranks (distlinalg/_optimistix.py),
-# when optimistix is installed (the [lineax] extra installs both).
-try:
-    import optimistix as _optimistix  # noqa: F401
-except ImportError:  # lineax alone: the linear solvers above
-    pass
-else:
-    from ._optimistix import (  # noqa: E402
-        DampedNewtonDescent,
-        Dogleg,
-        DoglegDescent,
-        GaussNewton,
-        ImplicitAdjoint,
-        IndirectDampedNewtonDescent,
-        IndirectLevenbergMarquardt,
-        LevenbergMarquardt,
-        TrustRegion,
-        damped_step,
-        install as _install_least_squares,
-        least_squares,
-    )
-
-    _install_least_squares()
-    __all__ += ["TrustRegion", "DampedNewtonDescent", "IndirectDampedNewtonDescent", "DoglegDescent",
-                "GaussNewton", "LevenbergMarquardt", "IndirectLevenbergMarquardt", "Dogleg", "ImplicitAdjoint",
-                "least_squares", "damped_step"]

@@ -26,8 +26,8 @@ are computed from replicated values and are replicated.
 
 Derivatives of the solution (optimistix's implicit function theorem) need
 the optimality condition Σ_k J_kᵀ r_k = 0 of every rank's residuals, not
-this rank's: :class:`ImplicitAdjoint`. :func:`least_squares` (also installed
-as ``optimistix.least_squares``, see :func:`install`) picks it, and turns
+this rank's: :class:`ImplicitAdjoint`. :func:`least_squares` (which
+``optimistix.least_squares`` becomes only by :func:`install_least_squares`) picks it, and turns
 optimistix's own damped solvers given a distlinalg linear solver into the
 classes here, so the paths users write work unchanged.
 """
@@ -42,12 +42,13 @@ import jax.numpy as jnp
 import lineax as lx
 import optimistix as optx
 
-from . import solvers as _solvers
-from .solvers import _arguments
-from ._mpi import resolve_comm
-from .comm.allreduce import allreduce
-from .comm.fused import tree_allreduce
-from .operators import LinearOperator
+from .. import solvers as _solvers
+from ..solvers import _arguments
+from .._runtime.mpi import resolve_comm
+from ..comm.allreduce import allreduce
+from ..comm.fused import tree_allreduce
+from ..operators import LinearOperator
+from . import _linear as dlx
 
 __all__ = [
     "TrustRegion",
@@ -60,14 +61,9 @@ __all__ = [
     "Dogleg",
     "ImplicitAdjoint",
     "least_squares",
+    "install_least_squares",
     "damped_step",
 ]
-
-
-def _lineax():
-    from . import lineax as dlx
-
-    return dlx
 
 
 def _sum_squares(tree: Any) -> Any:
@@ -140,7 +136,7 @@ def damped_step(lm_param: Any, f_info: Any, linear_solver: Any) -> tuple[Any, An
     with _arguments.inside_library_internals():  # (inside optimistix's cached traces)
         delta, info = _solvers.cg(normal, rhs, rtol=linear_solver.rtol, atol=linear_solver.atol,
                                   maxiter=linear_solver.max_steps)
-    return delta, optx.RESULTS.promote(_lineax().result_of(info.reason))
+    return delta, optx.RESULTS.promote(dlx.result_of(info.reason))
 
 
 def _lm_param(step_size: Any) -> Any:
@@ -151,7 +147,7 @@ def _lm_param(step_size: Any) -> Any:
 
 
 def _check_normal_cg(linear_solver: Any, where: str) -> None:
-    if not isinstance(linear_solver, _lineax().NormalCG):
+    if not isinstance(linear_solver, dlx.NormalCG):
         raise ValueError(
             f"distlinalg.lineax.{where}: linear_solver must be distlinalg.lineax.NormalCG (the damped step "
             f"is a least-squares solve over every rank's residuals), got {type(linear_solver).__name__}")
@@ -295,7 +291,7 @@ def _verbose(verbose: Any) -> Callable[..., None]:
 
 
 def _default_linear_solver() -> Any:
-    return _lineax().NormalCG(rtol=1e-6, atol=0.0)
+    return dlx.NormalCG(rtol=1e-6, atol=0.0)
 
 
 def _set_fields(solver: Any, rtol: float, atol: float, norm: Callable | None, linear_solver: Any, verbose: Any,
@@ -305,7 +301,7 @@ def _set_fields(solver: Any, rtol: float, atol: float, norm: Callable | None, li
     linear_solver = linear_solver or _default_linear_solver()
     _check_normal_cg(linear_solver, type(solver).__name__)
     solver.rtol, solver.atol = rtol, atol
-    solver.norm = norm or _lineax().max_norm
+    solver.norm = norm or dlx.max_norm
     solver.descent = descent(linear_solver)
     solver.search = TrustRegion()
     solver.verbose = _verbose(verbose)
@@ -321,15 +317,15 @@ class GaussNewton(optx.GaussNewton):
       >>> import distlinalg.lineax as dlx
       >>> from distlinalg import comm
       >>> t = jnp.array([0.0, 1.0]) + 2 * comm.rank()          # this rank's points of y = 1 + t/2
-      >>> fit = optx.least_squares(lambda p, t: p[0] + p[1] * t - (1 + 0.5 * t), dlx.GaussNewton(1e-6, 1e-6),
-      ...                          jnp.zeros(2), args=t)
+      >>> fit = dlx.least_squares(lambda p, t: p[0] + p[1] * t - (1 + 0.5 * t), dlx.GaussNewton(1e-6, 1e-6),
+      ...                         jnp.zeros(2), args=t)
       >>> bool(jnp.allclose(fit.value, jnp.array([1.0, 0.5]), atol=1e-4))
       True
     """
 
     def __init__(self, rtol: float, atol: float, norm: Callable = None, linear_solver: Any = None,
                  verbose: Any = False):
-        super().__init__(rtol, atol, norm=norm or _lineax().max_norm,
+        super().__init__(rtol, atol, norm=norm or dlx.max_norm,
                          linear_solver=linear_solver or _default_linear_solver(), verbose=False)
         self.verbose = _verbose(verbose)
 
@@ -363,8 +359,8 @@ class LevenbergMarquardt(optx.LevenbergMarquardt):
       >>> t = jnp.linspace(0.0, 1.0, 4) + comm.rank()           # this rank's points
       >>> def residuals(p, t):
       ...     return p[0] * jnp.exp(p[1] * t) - 2.0 * jnp.exp(-0.5 * t)
-      >>> fit = optx.least_squares(residuals, dlx.LevenbergMarquardt(1e-6, 1e-6), jnp.array([1.0, 0.0]),
-      ...                          args=t, max_steps=100)
+      >>> fit = dlx.least_squares(residuals, dlx.LevenbergMarquardt(1e-6, 1e-6), jnp.array([1.0, 0.0]),
+      ...                         args=t, max_steps=100)
       >>> bool(jnp.allclose(fit.value, jnp.array([2.0, -0.5]), atol=1e-4))   # the same on every rank
       True
     """
@@ -387,9 +383,9 @@ class IndirectLevenbergMarquardt(optx.IndirectLevenbergMarquardt):
       >>> import distlinalg.lineax as dlx
       >>> from distlinalg import comm
       >>> t = jnp.linspace(0.0, 1.0, 4) + comm.rank()
-      >>> fit = optx.least_squares(lambda p, t: p[0] * jnp.exp(p[1] * t) - 2.0 * jnp.exp(-0.5 * t),
-      ...                          dlx.IndirectLevenbergMarquardt(1e-6, 1e-6), jnp.array([1.0, 0.0]),
-      ...                          args=t, max_steps=100)
+      >>> fit = dlx.least_squares(lambda p, t: p[0] * jnp.exp(p[1] * t) - 2.0 * jnp.exp(-0.5 * t),
+      ...                         dlx.IndirectLevenbergMarquardt(1e-6, 1e-6), jnp.array([1.0, 0.0]),
+      ...                         args=t, max_steps=100)
       >>> bool(jnp.allclose(fit.value, jnp.array([2.0, -0.5]), atol=1e-4))
       True
     """
@@ -412,8 +408,8 @@ class Dogleg(optx.Dogleg):
       >>> import distlinalg.lineax as dlx
       >>> from distlinalg import comm
       >>> t = jnp.linspace(0.0, 1.0, 4) + comm.rank()
-      >>> fit = optx.least_squares(lambda p, t: p[0] * jnp.exp(p[1] * t) - 2.0 * jnp.exp(-0.5 * t),
-      ...                          dlx.Dogleg(1e-6, 1e-6), jnp.array([1.0, 0.0]), args=t, max_steps=100)
+      >>> fit = dlx.least_squares(lambda p, t: p[0] * jnp.exp(p[1] * t) - 2.0 * jnp.exp(-0.5 * t),
+      ...                         dlx.Dogleg(1e-6, 1e-6), jnp.array([1.0, 0.0]), args=t, max_steps=100)
       >>> bool(jnp.allclose(fit.value, jnp.array([2.0, -0.5]), atol=1e-4))
       True
     """
@@ -457,7 +453,7 @@ class ImplicitAdjoint(optx.ImplicitAdjoint):
     """
 
     def __init__(self, linear_solver: Any = None):
-        self.linear_solver = linear_solver or _lineax().MINRES(rtol=1e-12, atol=0.0)
+        self.linear_solver = linear_solver or dlx.MINRES(rtol=1e-12, atol=0.0)
 
     def apply(self, primal_fn, rewrite_fn, inputs, tags):
         return super().apply(primal_fn, _global_optimality, inputs, tags)
@@ -466,7 +462,6 @@ class ImplicitAdjoint(optx.ImplicitAdjoint):
 # ---------------------------------------------------------------------------
 # optimistix.least_squares for distributed solvers
 def _is_distributed_linear_solver(solver: Any) -> bool:
-    dlx = _lineax()
     return isinstance(solver, (dlx.NormalCG, dlx._KrylovSolver, dlx.Ordered))
 
 
@@ -475,7 +470,6 @@ def _is_distributed(solver: Any) -> bool:
     whose linear solver or norm is distlinalg's."""
     if isinstance(solver, _DISTRIBUTED_SOLVERS):
         return True
-    dlx = _lineax()
     descent = getattr(solver, "descent", None)
     return (_is_distributed_linear_solver(getattr(descent, "linear_solver", None))
             or getattr(solver, "norm", None) in (dlx.max_norm, dlx.two_norm, dlx.rms_norm))
@@ -492,7 +486,7 @@ def _global_counterpart(solver: Any) -> Any:
     common = dict(rtol=solver.rtol, atol=solver.atol, norm=solver.norm)
     if kind is optx.GaussNewton:
         return solver  # its only global decision is the norm's (and NormalCG's solve)
-    if not isinstance(linear_solver, _lineax().NormalCG):
+    if not isinstance(linear_solver, dlx.NormalCG):
         raise ValueError(
             f"distlinalg.lineax: optimistix.{kind.__name__} over ranks needs linear_solver="
             "distlinalg.lineax.NormalCG (a least-squares solve over every rank's residuals), "
@@ -529,8 +523,9 @@ def least_squares(fn: Any, solver: Any, y0: Any, args: Any = None, options: Any 
       ``AutoLinearSolver`` default: distlinalg's MINRES), so the
       derivatives are those of every rank's residuals.
 
-    Any other solver is optimistix's call, unchanged. Installed as
-    ``optimistix.least_squares`` when ``distlinalg.lineax`` is imported.
+    Any other solver is optimistix's call, unchanged. ``optimistix.least_squares``
+    becomes this function only by :func:`install_least_squares`; without it,
+    distlinalg's pieces inside optimistix's own ``least_squares`` raise.
 
     Example:
       >>> import jax.numpy as jnp
@@ -539,9 +534,9 @@ def least_squares(fn: Any, solver: Any, y0: Any, args: Any = None, options: Any 
       >>> from distlinalg import comm
       >>> t = jnp.linspace(0.0, 1.0, 4) + comm.rank()
       >>> solver = optx.LevenbergMarquardt(1e-6, 1e-6, norm=dlx.max_norm,
-      ...                                  linear_solver=dlx.NormalCG(rtol=1e-6, atol=0.0))
-      >>> fit = optx.least_squares(lambda p, t: p[0] * jnp.exp(p[1] * t) - 2.0 * jnp.exp(-0.5 * t),
-      ...                          solver, jnp.array([1.0, 0.0]), args=t, max_steps=100)
+      ...                                 linear_solver=dlx.NormalCG(rtol=1e-6, atol=0.0))
+      >>> fit = dlx.least_squares(lambda p, t: p[0] * jnp.exp(p[1] * t) - 2.0 * jnp.exp(-0.5 * t),
+      ...                         solver, jnp.array([1.0, 0.0]), args=t, max_steps=100)
       >>> bool(jnp.allclose(fit.value, jnp.array([2.0, -0.5]), atol=1e-4))
       True
     """
@@ -562,14 +557,36 @@ def least_squares(fn: Any, solver: Any, y0: Any, args: Any = None, options: Any 
 
 
 least_squares.optimistix_least_squares = _optx_least_squares
+dlx.ROUTING_CODES.add(least_squares.__code__)
 
 
-def install() -> None:
-    """Make ``optimistix.least_squares`` this module's :func:`least_squares`
-    (called when ``distlinalg.lineax`` is imported; idempotent). Code that
-    imported the function itself earlier (``from optimistix import
-    least_squares`` before importing distlinalg.lineax) keeps optimistix's."""
+def install_least_squares() -> None:
+    """Make ``optimistix.least_squares`` distlinalg's :func:`least_squares`, for this process.
+
+    Importing ``distlinalg.lineax`` changes nothing in optimistix; this call
+    does (row ``optimistix-least-squares`` of the patch table, ``python -m
+    distlinalg``), for scripts that call ``optimistix.least_squares`` with
+    distlinalg's solvers and norms. Idempotent. Code that bound the function
+    itself earlier (``from optimistix import least_squares``) keeps
+    optimistix's, and, given distlinalg's pieces, raises at trace time.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optimistix as optx
+      >>> import distlinalg.lineax as dlx
+      >>> from distlinalg import comm
+      >>> dlx.install_least_squares()
+      >>> t = jnp.linspace(0.0, 1.0, 4) + comm.rank()
+      >>> fit = dlx.least_squares(lambda p, t: p[0] + p[1] * t - (1 + 0.5 * t), dlx.GaussNewton(1e-6, 1e-6),
+      ...                         jnp.zeros(2), args=t)
+      >>> bool(jnp.allclose(fit.value, jnp.array([1.0, 0.5]), atol=1e-4))
+      True
+    """
     import optimistix._least_squares as module
 
+    from .._runtime import patches
+
+    patches.warn_outside_checked("optimistix")
     optx.least_squares = least_squares
     module.least_squares = least_squares
+    patches.record("optimistix-least-squares", "applied")

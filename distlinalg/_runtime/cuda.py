@@ -1,6 +1,6 @@
 """GPU support: the CUDA handlers, their MPI transport, and device selection.
 
-Everything here runs once, at import, on every rank (``distlinalg._mpi``
+Everything here runs once, at import, on every rank (``distlinalg._runtime.mpi``
 calls it after MPI is initialised).
 
 Transport (how a CUDA handler hands data to MPI):
@@ -45,8 +45,8 @@ from typing import Any, NamedTuple
 
 import jax
 
-from . import _compat
-from ._env import switch
+from . import jax_names
+from .env import switch
 
 _PLUGIN_MODULES = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 
@@ -321,11 +321,11 @@ def _choose_device(local_rank: int, local_size: int) -> tuple[str, int | None, i
         return "left to JAX (DISTLINALG_GPU_DEVICE=none)", None, 0, False
     if not cuda_plugin_installed():
         return "no JAX CUDA plugin installed", None, 0, False
-    if not _wants_cuda(_compat.requested_platforms()):
-        return f"not used (JAX_PLATFORMS={_compat.requested_platforms()})", None, 0, False
-    if _compat.cuda_visible_devices() != "all":
-        return f"as set by jax_cuda_visible_devices={_compat.cuda_visible_devices()}", None, 0, False
-    if _compat.backends_started():
+    if not _wants_cuda(jax_names.requested_platforms()):
+        return f"not used (JAX_PLATFORMS={jax_names.requested_platforms()})", None, 0, False
+    if jax_names.cuda_visible_devices() != "all":
+        return f"as set by jax_cuda_visible_devices={jax_names.cuda_visible_devices()}", None, 0, False
+    if jax_names.backends_started():
         return "unchanged: JAX's backend started before distlinalg was imported", None, 0, False
     count = visible_gpu_count()
     if count == 0:
@@ -341,7 +341,7 @@ def select_device(node: Any) -> str:
     """Restrict JAX to this rank's GPU (see the module docstring); returns what was done.
 
     `node`: the ranks sharing this node (an ``MPI_COMM_TYPE_SHARED`` split,
-    made once at import by ``distlinalg._mpi``); every one of them must call
+    made once at import by ``distlinalg._runtime.mpi``); every one of them must call
     this. One allgather over `node` tells which ranks chose the same GPU (by
     PCI bus id, so ranks given different GPUs through ``CUDA_VISIBLE_DEVICES``
     do not count as sharing), and turns a bad setting on any rank of the
@@ -362,7 +362,7 @@ def select_device(node: Any) -> str:
             raise ValueError(failed[0][1])
         raise ValueError("; ".join(f"node-local rank {r}: {e}" for r, e in failed))
     if device is not None:
-        _compat.set_cuda_visible_devices(str(device))
+        jax_names.set_cuda_visible_devices(str(device))
         if identity is not None and all(i is not None for _, _, i in everyone):
             sharers = sum(i == identity for _, _, i in everyone)
         elif explicit:  # an explicit index: ranks naming the same index share it

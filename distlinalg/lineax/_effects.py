@@ -36,11 +36,12 @@ from typing import Any
 
 import jax
 
-from .comm._core import MPIEffect
+from .._runtime import patches
+from ..comm._core import MPIEffect
 
 __all__ = ["install", "installed"]
 
-CHECKED_ON = {"lineax": "0.1.1", "equinox": "0.13.8"}
+CHECKED_ON = {"lineax": "0.1.1", "equinox": "0.13.8"}  # and the lines of patches.CHECKED_VERSIONS
 
 _MARKER = "_distlinalg_declares_mpi_effect"
 
@@ -70,7 +71,8 @@ def install() -> None:
         )
     if getattr(solve_p, _MARKER, False):
         return
-    _warn_outside_checked_versions()
+    patches.warn_outside_checked("lineax")
+    patches.warn_outside_checked("equinox")
     solve_impl = impls[solve_p]  # the impl lineax lowers with (mlir.lower_fun)
     vprim_impl = impls[vprim_p]
     vprim_abstract_eval = vprim_p.abstract_eval  # (avals, effects) of the other vprims
@@ -86,26 +88,7 @@ def install() -> None:
     solve_p.def_effectful_abstract_eval(solve_abstract_eval)
     vprim_p.def_effectful_abstract_eval(batched_abstract_eval)
     setattr(solve_p, _MARKER, True)
-
-
-def _warn_outside_checked_versions() -> None:
-    """A warning naming the version and the patch when lineax or equinox is not one it was checked on."""
-    import importlib.metadata
-    import warnings
-
-    for package, checked in CHECKED_ON.items():
-        try:
-            found = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        if found != checked:
-            warnings.warn(
-                f"distlinalg.lineax: {package} {found} was not checked with distlinalg's patch of lineax's "
-                f"linear_solve_p (its abstract evaluation declares the MPI effect of the solve; checked on "
-                f"{package} {checked}). If solves with distlinalg calls fail to lower or hang, see docs/lineax.md.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    patches.record("lineax-solve-effect", "applied")
 
 
 def installed() -> bool:

@@ -29,7 +29,7 @@ libraries through their ``openblas_set_num_threads`` entry point, later
 ones through ``OPENBLAS_NUM_THREADS`` (a value the user set is kept).
 ``DISTLINALG_CPU_AFFINITY=none`` leaves this alone too.
 
-Runs once, at import, on every rank (``distlinalg._mpi`` calls it after MPI
+Runs once, at import, on every rank (``distlinalg._runtime.mpi`` calls it after MPI
 is initialised); what was decided is in ``STATE`` for ``python -m distlinalg``.
 """
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import _compat
+from . import jax_names, patches
 
 STATE: dict[str, str] = {}
 
@@ -109,7 +109,7 @@ def partition_cores(node: Any) -> str:
     """Apply ``DISTLINALG_CPU_AFFINITY`` (see the module docstring); returns what was done.
 
     `node`: the ranks sharing this node (an ``MPI_COMM_TYPE_SHARED`` split,
-    made once at import by ``distlinalg._mpi``). Collective over `node`: the
+    made once at import by ``distlinalg._runtime.mpi``). Collective over `node`: the
     CPU sets are exchanged on every rank whatever the outcome, so ranks never
     disagree about taking part, and a bad setting fails on all of them.
     """
@@ -125,6 +125,7 @@ def partition_cores(node: Any) -> str:
     unbound_shared = choice == "auto" and bool(mine) and local_size > 1 and all(cpus == mine for cpus in everyone)
     STATE["blas"] = (limit_blas_threads(max(1, len(mine) // local_size)) if unbound_shared
                      else "left alone")
+    patches.record("openblas-threads", STATE["blas"])
     if choice != "auto":
         result = "left alone (DISTLINALG_CPU_AFFINITY=none)"
     elif not mine:
@@ -135,7 +136,7 @@ def partition_cores(node: Any) -> str:
         result = f"left alone (the launcher bound the ranks: CPUs {_ranges(mine)})"
     elif len(mine) < local_size:
         result = f"left alone ({local_size} ranks share {len(mine)} CPU(s) on this node: oversubscribed)"
-    elif _compat.backends_started():
+    elif jax_names.backends_started():
         result = "left alone (JAX's backend started before distlinalg was imported)"
     else:
         share = share_of(mine, local_rank, local_size)

@@ -60,8 +60,8 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
-from . import _mpi
-from ._env import switch
+from . import mpi as _mpi
+from .env import switch
 
 ABORT_ENV = "DISTLINALG_ABORT_ON_ERROR"
 TIMEOUT_ENV = "DISTLINALG_TIMEOUT"
@@ -86,7 +86,7 @@ _MAX_MESSAGE = 16384
 _P2P_OPS = ("send", "recv", "sendrecv")
 
 # ---------------------------------------------------------------------------
-# Settings (on/off switches are read by distlinalg/_env.py, as in the other modules)
+# Settings (on/off switches are read by distlinalg/_runtime/env.py, as in the other modules)
 def parse_timeout(value: Any, name: str = "timeout") -> float | None:
     """A watchdog timeout in seconds: None, 0 or "" mean off, else a finite number > 0."""
     if value is None:
@@ -713,7 +713,7 @@ def set_timeout(seconds: Any) -> None:
         )
         value = None
     if _monitor is None:
-        raise RuntimeError("distlinalg._safety.install() has not run")
+        raise RuntimeError("distlinalg._runtime.safety.install() has not run")
     _monitor.set_timeout(value)
 
 
@@ -721,7 +721,7 @@ def set_stall(seconds: Any) -> None:
     """Set the stall-report period of this process (None or 0: off); see `parse_timeout`."""
     value = parse_timeout(seconds, "stall")
     if _monitor is None:
-        raise RuntimeError("distlinalg._safety.install() has not run")
+        raise RuntimeError("distlinalg._runtime.safety.install() has not run")
     if value and not _mpi.tracks_calls():
         value = None
     _monitor.set_stall(value)

@@ -9,13 +9,13 @@ Importing this module, once per process and on every rank, in this order:
    ``DISTLINALG_CHECK``, ``DISTLINALG_MAX_COUNT``) and registers the FFI
    handlers with XLA: the CPU handlers, and the CUDA handlers with their
    transport (CUDA-aware or staged through host memory) where the build has
-   them (``distlinalg._cuda``);
+   them (``distlinalg._runtime.cuda``);
 3. places the process on its node, collectively over the ranks that share
    the node (one ``MPI_COMM_TYPE_SHARED`` split): on a GPU machine each rank
    is restricted to its own GPU (``DISTLINALG_GPU_DEVICE``,
-   ``distlinalg._cuda.select_device``), and on CPUs each rank gets its own
+   ``distlinalg._runtime.cuda.select_device``), and on CPUs each rank gets its own
    block of the node's cores when the launcher did not bind them
-   (``DISTLINALG_CPU_AFFINITY``, ``distlinalg._cpu.partition_cores``). Both
+   (``DISTLINALG_CPU_AFFINITY``, ``distlinalg._runtime.cpu.partition_cores``). Both
    must happen before JAX starts its backend, which is why they happen here;
 4. creates the library's private communicator (a duplicate of
    ``MPI.COMM_WORLD``).
@@ -45,11 +45,12 @@ except ImportError as err:  # pragma: no cover - environment problem
 
 import jax
 
-from . import _cpu, _cuda
-from ._env import switch
+from . import cpu as _cpu
+from . import cuda as _cuda
+from .env import switch
 
 try:
-    from . import _native
+    from .. import _native
 except ImportError as err:  # pragma: no cover - environment problem
     raise ImportError(
         "distlinalg's native extension (distlinalg._native) could not be loaded "
@@ -229,7 +230,7 @@ def configure(
 
 
 # The watchdog and the stall report (configure's `timeout` and `stall`) are
-# distlinalg._safety's. It depends on this module, never the other way round:
+# distlinalg._runtime.safety's. It depends on this module, never the other way round:
 # when distlinalg is imported, _safety.install() registers here how its
 # settings are checked and applied.
 class MonitorSettings(NamedTuple):
@@ -244,14 +245,14 @@ _monitor_hooks: MonitorSettings | None = None
 
 
 def register_monitor_settings(settings: MonitorSettings) -> None:
-    """Called once, by distlinalg._safety.install(): `configure(timeout=..., stall=...)` uses `settings`."""
+    """Called once, by distlinalg._runtime.safety.install(): `configure(timeout=..., stall=...)` uses `settings`."""
     global _monitor_hooks
     _monitor_hooks = settings
 
 
 def _monitor_settings() -> MonitorSettings:
     if _monitor_hooks is None:
-        raise RuntimeError("distlinalg._safety.install() has not run")
+        raise RuntimeError("distlinalg._runtime.safety.install() has not run")
     return _monitor_hooks
 
 
@@ -436,7 +437,7 @@ def resolve_comm(comm: Any) -> Communicator:
 
 
 # ---------------------------------------------------------------------------
-# What the diagnostics (distlinalg._safety: the stall report, the watchdog,
+# What the diagnostics (distlinalg._runtime.safety: the stall report, the watchdog,
 # Ctrl-C) read of this rank's MPI state. With DEFAULT_COMM, THREAD_LEVEL,
 # handle_of and register_monitor_settings, this is all that _safety uses here.
 def tracks_calls() -> bool:

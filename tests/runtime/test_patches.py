@@ -1,0 +1,106 @@
+"""The patch table (distlinalg/_runtime/patches.py): every row recorded, versions outside the
+checked lines warn, a target that is gone raises, the adapters change nothing at import, and
+the environment switches read anywhere in the package are all in the docs' table."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from conftest import REPO_ROOT
+
+import distlinalg  # noqa: F401  (the start-up under test)
+from distlinalg import _runtime
+from distlinalg._runtime import patches
+
+pytestmark = pytest.mark.serial
+
+
+def test_every_jax_row_is_applied_once_at_import():
+    for name in ("jax-effect-registries", "jax-aot-fast-path", "jax-failed-token", "jax-programs-without-results",
+                 "jax-gpu-compile-options"):
+        assert patches.state(name) == "applied", name
+    assert patches.state("xla-ynn-fusions") == distlinalg.YNN_FUSION
+    from jax._src import dispatch
+    from jax._src.interpreters import pxla
+
+    wrapped = [pxla.MeshExecutable.create_cpp_call, dispatch.RuntimeTokenSet.get_token_input,
+               pxla.ExecuteReplicated.__call__]
+    # A second start-up (and a second application) wraps nothing twice.
+    assert _runtime.start() == distlinalg.YNN_FUSION
+    patches.apply_jax_patches()
+    for before, after in zip(wrapped, [pxla.MeshExecutable.create_cpp_call, dispatch.RuntimeTokenSet.get_token_input,
+                                       pxla.ExecuteReplicated.__call__]):
+        assert after._distlinalg_original is before._distlinalg_original
+        assert not hasattr(after._distlinalg_original, "_distlinalg_original")
+
+
+def test_rows_name_known_libraries_and_render():
+    names = [p.name for p in patches.TABLE]
+    assert len(names) == len(set(names))
+    assert {p.library for p in patches.TABLE} <= set(patches.CHECKED_VERSIONS) | {"xla", "openblas"}
+    table = patches.markdown_table()
+    for patch in patches.TABLE:
+        assert f"| `{patch.name}` |" in table
+    text = patches.table_text()
+    assert all(f"  {name} [" in text for name in names)
+    with pytest.raises(KeyError, match="no patch named"):
+        patches.record("no-such-row", "applied")
+
+
+@pytest.mark.parametrize("version, inside", [("0.10.2", True), ("0.12.0.1", True), ("0.11.0", True),
+                                             ("0.13.0", False), ("0.9.1", False), ("0.100.0", False)])
+def test_checked_release_lines(version, inside):
+    assert patches.inside_checked("jax", version) is inside
+
+
+def test_a_version_outside_the_checked_lines_warns_once_naming_it_and_its_rows(monkeypatch):
+    monkeypatch.setitem(patches.CHECKED_VERSIONS, "jax", ("0.0",))
+    monkeypatch.setattr(patches, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match=r"jax \S+ is outside .*0\.0\.x.*jax-aot-fast-path.*jax-failed-token"):
+        patches.warn_outside_checked("jax")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patches.warn_outside_checked("jax")  # once per process
+
+
+def test_a_target_that_is_gone_is_an_import_error_or_not_needed(monkeypatch):
+    monkeypatch.setattr(patches, "_STATE", dict(patches._STATE))
+    with pytest.raises(ImportError, match=r"jax-failed-token.*RuntimeTokenSet.get_token_input.*checked on jax"):
+        patches.missing("jax-failed-token")
+    assert patches.missing("jax-aot-fast-path") == "not needed: this JAX has no such fast path"
+    assert patches.state("jax-aot-fast-path").startswith("not needed")
+
+
+def test_adapters_change_nothing_at_import():
+    """`import distlinalg.lineax` leaves optimistix.least_squares alone (and records it so);
+    install_least_squares() replaces it; importing distlinalg.netket patches no NetKet code
+    until a distributed state is made."""
+    pytest.importorskip("optimistix")
+    probe = (
+        "import optimistix as optx, distlinalg.lineax as dlx\n"
+        "from distlinalg._runtime import patches\n"
+        "own = optx.least_squares\n"
+        "print(own is not dlx.least_squares, patches.state('optimistix-least-squares'))\n"
+        "dlx.install_least_squares()\n"
+        "print(optx.least_squares is dlx.least_squares, patches.state('optimistix-least-squares'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["True not applied", "True applied"], out.stdout
+
+
+def test_every_environment_switch_is_in_the_docs_table():
+    """docs/cluster.md's table lists every DISTLINALG_* variable the package, the extension
+    and the build read."""
+    sources = [*REPO_ROOT.joinpath("distlinalg").rglob("*.py"), *REPO_ROOT.joinpath("csrc").glob("*"),
+               REPO_ROOT / "CMakeLists.txt", REPO_ROOT / "Makefile"]
+    read = set()
+    for path in sources:
+        read |= set(re.findall(r"DISTLINALG_[A-Z_]*[A-Z]", path.read_text(errors="replace")))
+    documented = set(re.findall(r"^\| `(DISTLINALG_[A-Z_]+)", (REPO_ROOT / "docs" / "cluster.md").read_text(), re.M))
+    assert read - documented == set(), sorted(read - documented)
