@@ -5,6 +5,7 @@
 #   make test-cpu-only-build   build test: the extension without CUDA handlers
 #   make test-cuda-compile     every CUDA lowering compiled by XLA's GPU compiler for an H100, no GPU needed
 #   make demo    the main job
+#   make lint    ruff over the package, tests, benchmarks, examples and docs
 #   make netket  NetKet into .venv (pyproject's [netket] extra; test and demo need it)
 #   make lineax  lineax and optimistix into .venv (pyproject's [lineax] extra; test needs it)
 #   make scalapack  Intel MKL (ScaLAPACK) into .venv (pyproject's [scalapack] extra; test needs it)
@@ -40,7 +41,7 @@ endif
 BUILD_DEPS := "scikit-build-core>=0.10" "cmake>=3.18" "nanobind>=2.0" "jax>=0.10.2" numpy
 TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib "hypothesis>=6"
 
-.PHONY: setup netket lineax scalapack pyamg docs test test-scale test-mpi4jax test-cuda-emulation test-cuda-compile test-cpu-only-build demo clean bench
+.PHONY: setup lint netket lineax scalapack pyamg docs test test-scale test-mpi4jax test-cuda-emulation test-cuda-compile test-cpu-only-build demo clean bench
 
 setup: $(STAMP)
 
@@ -232,6 +233,11 @@ bench: setup $(NETKET_STAMP) $(SCALAPACK_STAMP) $(PYAMG_STAMP)
 	  $(if $(filter 1 yes true,$(QUICK)),--sizes 1024 --eigh 256,--sizes 4096 8192 --eigh 1024) --json build/bench/linalg_$$n.json || exit 1; done
 	$(BIN)/python benchmarks/bench_multigrid.py --write $(if $(filter 1 yes true,$(QUICK)),--n 128 500 --plain-up-to 500)
 	$(BIN)/python benchmarks/bench_nystrom_sr.py --write $(if $(filter 1 yes true,$(QUICK)),--problems tfim-rbm --shifts 1e-3 --rank 100)
+
+# Lint: ruff with pyproject.toml's configuration (pyflakes, pycodestyle, bugbear).
+lint: setup
+	$(BIN)/python -m pip install -q "ruff>=0.6"
+	$(BIN)/ruff check
 
 clean:
 	rm -rf build .mpitest

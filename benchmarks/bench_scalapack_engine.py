@@ -86,7 +86,7 @@ def main() -> None:
             t = timed(lambda: eigh(a), args.repeats, comm)
             if rank == 0:
                 print(f"scalapack heevd       {tag}: {t:.3f} s", flush=True)
-        del a, b
+        a = b = None  # free this size's matrix before the next
         if args.numpy and rank == 0:
             import scipy.linalg
 

@@ -165,7 +165,7 @@ def lowering_trace() -> bool:
     from jax._src.lib.mlir import ir  # private
 
     try:
-        ir.InsertionPoint.current
+        ir.InsertionPoint.current  # noqa: B018  (raises ValueError outside a lowering)
     except ValueError:
         return False
     return True

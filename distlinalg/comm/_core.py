@@ -533,7 +533,7 @@ __all__ = [
     "is_undefined",
     "moveaxis_or_broadcast",
     "not_mapped",
-    
+
     "ad",
     "batching",
 ]

@@ -17,12 +17,14 @@ to add an operator.
 """
 
 from .._trees import Structure
-from ._base import LAYOUTS, FunctionOperator, LinearOperator, linearise, operator_class, static
+from ._base import LAYOUTS  # noqa: F401  (the layout names, for users' checks)
+from ._base import FunctionOperator, LinearOperator, linearise, operator_class, static
 from ._convert import aslinearoperator
 from ._jacobian import Jacobian, ModelPoint
 from ._partition import Partition
 from .curvature import GaussNewtonOperator, HessianOperator, LossPoint, gauss_newton, hessian
-from .dense import Dense, DenseColumns, DenseColumnsOperator, DenseOperator, DenseRows, DenseRowsOperator, dense_columns, dense_rows
+from .dense import Dense, DenseColumns, DenseRows  # noqa: F401  (short aliases of the operator classes)
+from .dense import DenseColumnsOperator, DenseOperator, DenseRowsOperator, dense_columns, dense_rows
 from .gram import GramOperator, gram
 from .sample_gram import SampleGramOperator, sample_gram
 from .sparse import SparseRowsOperator, sparse_rows

@@ -88,8 +88,6 @@ def dense_rows(
     # the row partition: `square` depends on this rank's block.
     col_partition = resolve_partition(row_partition if column_partition is None and square else column_partition,
                                       n_total, comm, "column_partition")
-    dtype = rows.dtype
-
     return DenseRowsOperator(rows=rows, row_partition=row_partition, column_partition=col_partition,
                              symmetric=bool(symmetric), hermitian=bool(hermitian), comm=comm)
 
@@ -139,8 +137,6 @@ def dense_columns(
     # the column partition: `square` depends on this rank's block.
     out_partition = resolve_partition(col_partition if row_partition is None and square else row_partition,
                                       m_total, comm, "row_partition")
-    dtype = columns.dtype
-
     return DenseColumnsOperator(columns=columns, row_partition=out_partition, column_partition=col_partition,
                                 symmetric=bool(symmetric), hermitian=bool(hermitian), comm=comm)
 

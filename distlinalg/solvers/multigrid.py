@@ -290,7 +290,7 @@ class Multigrid(LinearOperator):
     def _direct(self, b: jax.Array) -> jax.Array:
         """The coarsest level: gather b onto every rank, solve with the LU factors, keep this rank's rows."""
         grid, comm = self.grids[-1], self.comm
-        (ny, nx), partition = grid.shape, grid.row_partition
+        (_, nx), partition = grid.shape, grid.row_partition
         whole = partition.allgather(b.reshape(partition.size_of(comm.rank), nx), comm).reshape(-1)
         x = jsl.lu_solve((self.lu, self.pivots), whole)
         start, end = partition.starts[comm.rank], partition.starts[comm.rank + 1]

@@ -94,7 +94,7 @@ def _gathered_reference(vstate, comm):
 # -- statistics ---------------------------------------------------------------------------
 def _chains(rng, shape, dtype, rho=0.8):
     """AR(1) chains (autocorrelated, like Markov chains)."""
-    noise = rng.standard_normal(shape) + (1j * rng.standard_normal(shape) if dtype == complex else 0)
+    noise = rng.standard_normal(shape) + (1j * rng.standard_normal(shape) if dtype is complex else 0)
     out = np.empty(shape, dtype=noise.dtype)
     out[:, 0] = noise[:, 0]
     for t in range(1, shape[1]):
@@ -389,7 +389,7 @@ def test_vmc_sr_steps_equal_netket_on_gathered_samples(ising, model, comm):
     import optax
 
     hilbert, H = ising
-    base = getattr(nk.driver.VMC_SR.compute_loss_and_update, "__wrapped__")  # NetKet's own step
+    base = nk.driver.VMC_SR.compute_loss_and_update.__wrapped__  # NetKet's own step
     for case in VMC_SR_CASES:
         vstate = _state(hilbert, model)
         options = {"diag_shift": lambda step: SHIFT * (1 + step), **case}

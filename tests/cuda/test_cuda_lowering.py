@@ -399,7 +399,6 @@ def test_mpi_programs_compile_for_gpus_without_dynamic_slice_fusion(x, handlers_
     from jax._src import compiler
     from jax._src.lib import xla_client
 
-    from distlinalg._runtime import jax_names
     from distlinalg._runtime import patches
 
     def module(fn):
