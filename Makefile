@@ -5,7 +5,7 @@
 #   make test-cpu-only-build   build test: the extension without CUDA handlers
 #   make test-cuda-compile     every CUDA lowering compiled by XLA's GPU compiler for an H100, no GPU needed
 #   make demo    the main job
-#   make lint    ruff over the package, tests, benchmarks, examples and docs
+#   make lint    ruff over the Python, clang-format over the C++
 #   make netket  NetKet into .venv (pyproject's [netket] extra; test and demo need it)
 #   make lineax  lineax and optimistix into .venv (pyproject's [lineax] extra; test needs it)
 #   make scalapack  Intel MKL (ScaLAPACK) into .venv (pyproject's [scalapack] extra; test needs it)
@@ -234,10 +234,12 @@ bench: setup $(NETKET_STAMP) $(SCALAPACK_STAMP) $(PYAMG_STAMP)
 	$(BIN)/python benchmarks/bench_multigrid.py --write $(if $(filter 1 yes true,$(QUICK)),--n 128 500 --plain-up-to 500)
 	$(BIN)/python benchmarks/bench_nystrom_sr.py --write $(if $(filter 1 yes true,$(QUICK)),--problems tfim-rbm --shifts 1e-3 --rank 100)
 
-# Lint: ruff with pyproject.toml's configuration (pyflakes, pycodestyle, bugbear).
+# Lint: ruff with pyproject.toml's configuration (pyflakes, pycodestyle, bugbear), and
+# clang-format with .clang-format over the C++ (csrc/) and the CUDA driver stub.
 lint: setup
-	$(BIN)/python -m pip install -q "ruff>=0.6"
+	$(BIN)/python -m pip install -q "ruff>=0.6" "clang-format>=18"
 	$(BIN)/ruff check
+	$(BIN)/clang-format --dry-run --Werror csrc/*.cc csrc/*.h tests/cuda_driver_stub.c
 
 clean:
 	rm -rf build .mpitest

@@ -15,9 +15,9 @@ namespace {
 // Operation names and their codes in a signature (index + 1). "exit" is the
 // end of a rank's program (CheckAtExit).
 constexpr const char* kOpNames[] = {
-    "allreduce", "reduce",  "bcast", "gather",   "scatter",
-    "allgather", "reduce_scatter", "alltoall", "scan", "exscan",
-    "barrier",   "send",    "recv",  "sendrecv", "exit"};
+    "allreduce", "reduce",         "bcast",    "gather",   "scatter",
+    "allgather", "reduce_scatter", "alltoall", "scan",     "exscan",
+    "barrier",   "send",           "recv",     "sendrecv", "exit"};
 
 int64_t OpCode(const char* op) {
   for (size_t i = 0; i < sizeof(kOpNames) / sizeof(kOpNames[0]); ++i) {
@@ -36,7 +36,7 @@ enum Word : int {
   kOpCode = 0,
   kDtype = 1,
   kNdim = 2,
-  kDims = 3,                            // kMaxDims words
+  kDims = 3,                                // kMaxDims words
   kDimsRest = kDims + Signature::kMaxDims,  // hash of dims beyond kMaxDims
   kRoot = kDimsRest + 1,
   kReduceOp = kRoot + 1,
@@ -76,8 +76,8 @@ std::string Describe(const int64_t* w) {
     any = true;
   }
   if (w[kReduceOp] != kUnset) {
-    s << (any ? ", " : "") << "op="
-      << OpName(static_cast<ReduceOp>(w[kReduceOp]));
+    s << (any ? ", " : "")
+      << "op=" << OpName(static_cast<ReduceOp>(w[kReduceOp]));
     any = true;
   }
   if (w[kRoot] != kUnset) {
@@ -154,7 +154,8 @@ int CheckComm(MPI_Comm comm, CheckState* out) {
   if (rc != MPI_SUCCESS) return rc;
   state->id = id;
   int64_t expected = next_comm_id.load();
-  while (expected <= id && !next_comm_id.compare_exchange_weak(expected, id + 1)) {
+  while (expected <= id &&
+         !next_comm_id.compare_exchange_weak(expected, id + 1)) {
   }
   rc = MPI_Comm_set_attr(comm, CheckKeyval(), state);
   if (rc != MPI_SUCCESS) return rc;
@@ -229,7 +230,8 @@ constexpr auto kProbeEvery = std::chrono::seconds(2);
 constexpr auto kReplyWait = std::chrono::seconds(1);
 
 std::string ProbeOtherRanks(const Signature& mine, int64_t comm_id, int peer);
-bool PoisonedPastGrace(int64_t comm_id, std::chrono::steady_clock::time_point now);
+bool PoisonedPastGrace(int64_t comm_id,
+                       std::chrono::steady_clock::time_point now);
 
 int WaitChecking(int n, MPI_Request* requests, const Signature& mine,
                  int64_t comm_id, int peer, std::string* mismatch) {
@@ -243,9 +245,12 @@ int WaitChecking(int n, MPI_Request* requests, const Signature& mine,
     std::this_thread::sleep_for(std::chrono::microseconds(200));
     const auto now = std::chrono::steady_clock::now();
     if (PoisonedPastGrace(comm_id, now)) {
-      *mismatch = "distlinalg: the cross-rank check before " + std::string(mine.op()) +
-                  " was cancelled: two threads used this communicator at once (on this rank or "
-                  "another), which refuses every later call on it. Give each thread its own "
+      *mismatch = "distlinalg: the cross-rank check before " +
+                  std::string(mine.op()) +
+                  " was cancelled: two threads used this communicator at once "
+                  "(on this rank or "
+                  "another), which refuses every later call on it. Give each "
+                  "thread its own "
                   "communicator (comm.Dup()).";
       return MPI_SUCCESS;
     }
@@ -363,7 +368,8 @@ std::string CheckAtExit(MPI_Comm comm) {
   const bool every =
       GlobalSettings().check_mode == static_cast<int>(CheckMode::kEveryCall);
   int rc = Compare(sig, comm, every, &mismatch);
-  if (rc != MPI_SUCCESS) return "distlinalg: the end-of-program check failed: " + MpiErrorString(rc);
+  if (rc != MPI_SUCCESS)
+    return "distlinalg: the end-of-program check failed: " + MpiErrorString(rc);
   return mismatch;
 }
 
@@ -436,7 +442,8 @@ void PoisonHere(MPI_Comm comm) {
     std::lock_guard<std::mutex> lock(PoisonMutex());
     auto& handles = PoisonedHandles();
     if (handles.count(HandleFromComm(comm)) == 0) {
-      handles[HandleFromComm(comm)] = Poison{WorldRank(), std::chrono::steady_clock::now()};
+      handles[HandleFromComm(comm)] =
+          Poison{WorldRank(), std::chrono::steady_clock::now()};
       ++poisoned_count;
     }
     return;
@@ -461,8 +468,10 @@ bool PoisonOf(MPI_Comm comm, Poison* out) {
   return true;
 }
 
-bool PoisonedPastGrace(int64_t comm_id, std::chrono::steady_clock::time_point now) {
-  if (poisoned_count.load(std::memory_order_relaxed) == 0 || comm_id < 0) return false;
+bool PoisonedPastGrace(int64_t comm_id,
+                       std::chrono::steady_clock::time_point now) {
+  if (poisoned_count.load(std::memory_order_relaxed) == 0 || comm_id < 0)
+    return false;
   std::lock_guard<std::mutex> lock(PoisonMutex());
   auto it = PoisonedIds().find(comm_id);
   return it != PoisonedIds().end() && now - it->second.known >= kCancelGrace;
@@ -479,7 +488,8 @@ std::string PoisonedMessage(const char* op, MPI_Comm comm, const Poison& p) {
   } else {
     msg << " on rank " << p.from << " of MPI_COMM_WORLD";
   }
-  msg << ", which refuses every later call on it, so this call cannot complete (cancelled). "
+  msg << ", which refuses every later call on it, so this call cannot complete "
+         "(cancelled). "
          "Give each thread its own communicator (comm.Dup()).";
   return msg.str();
 }
@@ -496,19 +506,24 @@ void MarkMisused(int64_t comm) {
 ffi::Error CancelIfPoisoned(const char* op, MPI_Comm comm) {
   Poison p;
   if (!PoisonOf(comm, &p)) return ffi::Error::Success();
-  if (std::chrono::steady_clock::now() - p.known < kCancelGrace) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, PoisonedMessage(op, comm, p));
+  if (std::chrono::steady_clock::now() - p.known < kCancelGrace)
+    return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    PoisonedMessage(op, comm, p));
 }
 
-ffi::Error WaitOrCancel(const char* op, MPI_Comm comm, int n, MPI_Request* requests,
-                        MPI_Status* statuses, int* rc) {
+ffi::Error WaitOrCancel(const char* op, MPI_Comm comm, int n,
+                        MPI_Request* requests, MPI_Status* statuses, int* rc) {
   for (uint64_t spin = 1;; ++spin) {
     int done = 0;
-    *rc = n == 1 ? MPI_Test(requests, &done, statuses ? statuses : MPI_STATUS_IGNORE)
-                 : MPI_Testall(n, requests, &done, statuses ? statuses : MPI_STATUSES_IGNORE);
+    *rc = n == 1 ? MPI_Test(requests, &done,
+                            statuses ? statuses : MPI_STATUS_IGNORE)
+                 : MPI_Testall(n, requests, &done,
+                               statuses ? statuses : MPI_STATUSES_IGNORE);
     if (*rc != MPI_SUCCESS || done) return ffi::Error::Success();
     // Polled as MPI's own blocking progress does, yielding now and then (ranks
-    // may share cores); the poison test is one relaxed load while none is known.
+    // may share cores); the poison test is one relaxed load while none is
+    // known.
     if ((spin & 255) != 0) continue;
     std::this_thread::yield();
     if (poisoned_count.load(std::memory_order_relaxed) == 0) continue;
@@ -530,7 +545,8 @@ CallRecord::CallRecord(const char* op, MPI_Comm comm, ffi::DataType dtype,
   {
     std::lock_guard<std::mutex> lock(ActiveMutex());
     for (const auto& [seq, other] : Active()) {
-      if (other.comm == call_.comm && other.thread != call_.thread) other_ = other.op;
+      if (other.comm == call_.comm && other.thread != call_.thread)
+        other_ = other.op;
     }
     if (other_ != nullptr) {
       Misused()[call_.comm] = true;
@@ -543,7 +559,8 @@ CallRecord::CallRecord(const char* op, MPI_Comm comm, ffi::DataType dtype,
     PoisonHere(comm);
   } else if (!misused_) {
     Poison p;
-    if (PoisonOf(comm, &p)) poisoned_ = PoisonedMessage(op, comm, p);  // told by another rank
+    if (PoisonOf(comm, &p))
+      poisoned_ = PoisonedMessage(op, comm, p);  // told by another rank
   }
   if (GlobalSettings().debug_log) {
     std::fprintf(stderr,
@@ -569,22 +586,28 @@ void CallRecord::Running(const Signature& sig, bool checked) {
 }
 
 ffi::Error CallRecord::Alone() const {
-  if (!poisoned_.empty()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, poisoned_);
+  if (!poisoned_.empty())
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, poisoned_);
   if (misused_) {
-    return ffi::Error(
-        ffi::ErrorCode::kFailedPrecondition,
-        std::string("distlinalg: ") + call_.op + " on rank " + std::to_string(call_.rank) +
-            ": two threads used this communicator at once (an earlier call raised), so its "
-            "messages can no longer be trusted to pair up with the other ranks'. Give each thread "
-            "its own communicator (comm.Dup()).");
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string("distlinalg: ") + call_.op + " on rank " +
+                          std::to_string(call_.rank) +
+                          ": two threads used this communicator at once (an "
+                          "earlier call raised), so its "
+                          "messages can no longer be trusted to pair up with "
+                          "the other ranks'. Give each thread "
+                          "its own communicator (comm.Dup()).");
   }
   if (other_ == nullptr) return ffi::Error::Success();
   return ffi::Error(
       ffi::ErrorCode::kFailedPrecondition,
-      std::string("distlinalg: ") + call_.op + " on rank " + std::to_string(call_.rank) +
-          ": another thread is inside a call (" + other_ +
-          ") on the same communicator. MPI forbids concurrent operations on one communicator, "
-          "and the two threads' messages would pair up differently on different ranks (wrong "
+      std::string("distlinalg: ") + call_.op + " on rank " +
+          std::to_string(call_.rank) + ": another thread is inside a call (" +
+          other_ +
+          ") on the same communicator. MPI forbids concurrent operations on "
+          "one communicator, "
+          "and the two threads' messages would pair up differently on "
+          "different ranks (wrong "
           "results). Give each thread its own communicator (comm.Dup()).");
 }
 
@@ -650,10 +673,11 @@ ffi::Error CheckPair(const Signature& sig, MPI_Comm comm, int source, int dest,
   // [what I send, what I expect, what the source sends, what the dest
   // expects]; heap memory: an abandoned wait must not leave MPI writing to
   // the stack.
-  auto* w = new int64_t[12]{static_cast<int64_t>(send_dtype), send_count, sendtag,
-                            static_cast<int64_t>(recv_dtype), recv_count, recvtag,
-                            static_cast<int64_t>(recv_dtype), recv_count, recvtag,
-                            static_cast<int64_t>(send_dtype), send_count, sendtag};
+  auto* w =
+      new int64_t[12]{static_cast<int64_t>(send_dtype), send_count, sendtag,
+                      static_cast<int64_t>(recv_dtype), recv_count, recvtag,
+                      static_cast<int64_t>(recv_dtype), recv_count, recvtag,
+                      static_cast<int64_t>(send_dtype), send_count, sendtag};
   int64_t* send_sig = w;
   int64_t* expect = w + 3;
   int64_t* from_source = w + 6;
@@ -684,10 +708,11 @@ ffi::Error CheckPair(const Signature& sig, MPI_Comm comm, int source, int dest,
   };
   if (source != MPI_PROC_NULL && !fits(from_source, expect)) {
     bad = true;
-    msg << "\n  rank " << rank << " expects " << DescribePair(expect[0], expect[1])
-        << " with tag " << expect[2] << " from rank " << source
-        << ", which sends " << DescribePair(from_source[0], from_source[1])
-        << " with tag " << from_source[2];
+    msg << "\n  rank " << rank << " expects "
+        << DescribePair(expect[0], expect[1]) << " with tag " << expect[2]
+        << " from rank " << source << ", which sends "
+        << DescribePair(from_source[0], from_source[1]) << " with tag "
+        << from_source[2];
   }
   if (dest != MPI_PROC_NULL && !fits(send_sig, from_dest)) {
     bad = true;
@@ -699,10 +724,10 @@ ffi::Error CheckPair(const Signature& sig, MPI_Comm comm, int source, int dest,
   }
   delete[] w;
   if (!bad) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                    std::string("distlinalg: ") + sig.op() +
-                        " has mismatched buffers between partners:" +
-                        msg.str());
+  return ffi::Error(
+      ffi::ErrorCode::kInvalidArgument,
+      std::string("distlinalg: ") + sig.op() +
+          " has mismatched buffers between partners:" + msg.str());
 }
 
 // ---------------------------------------------------------------------------
@@ -713,8 +738,16 @@ constexpr int kQueryTag = 1, kReplyTag = 2, kPoisonTag = 3;
 // Reply: [probe id, phase, comm id, checked, seq, calls started, elapsed ms,
 // peer, signature words...]
 enum Reply : int {
-  kProbeId = 0, kPhase, kCommId, kChecked, kSeq, kStarted, kElapsedMs, kPeer,
-  kReplySig, kReplyWords = kReplySig + Signature::kWords
+  kProbeId = 0,
+  kPhase,
+  kCommId,
+  kChecked,
+  kSeq,
+  kStarted,
+  kElapsedMs,
+  kPeer,
+  kReplySig,
+  kReplyWords = kReplySig + Signature::kWords
 };
 
 struct Responder {
@@ -754,18 +787,21 @@ void Serve() {
   Responder& r = TheResponder();
   int64_t query = 0;
   MPI_Request request;
-  MPI_Irecv(&query, 1, MPI_INT64_T, MPI_ANY_SOURCE, kQueryTag, r.comm, &request);
+  MPI_Irecv(&query, 1, MPI_INT64_T, MPI_ANY_SOURCE, kQueryTag, r.comm,
+            &request);
   // Another rank found two threads on a communicator (its check id).
   int64_t poisoned_id = 0;
   MPI_Request poison;
-  MPI_Irecv(&poisoned_id, 1, MPI_INT64_T, MPI_ANY_SOURCE, kPoisonTag, r.comm, &poison);
+  MPI_Irecv(&poisoned_id, 1, MPI_INT64_T, MPI_ANY_SOURCE, kPoisonTag, r.comm,
+            &poison);
   while (!r.stop.load()) {
     int done = 0;
     MPI_Status status;
     MPI_Test(&poison, &done, &status);
     if (done) {
       PoisonId(poisoned_id, status.MPI_SOURCE);
-      MPI_Irecv(&poisoned_id, 1, MPI_INT64_T, MPI_ANY_SOURCE, kPoisonTag, r.comm, &poison);
+      MPI_Irecv(&poisoned_id, 1, MPI_INT64_T, MPI_ANY_SOURCE, kPoisonTag,
+                r.comm, &poison);
     }
     done = 0;
     MPI_Test(&request, &done, &status);
@@ -775,8 +811,10 @@ void Serve() {
     }
     int64_t reply[kReplyWords];
     DescribeSelf(query, reply);
-    MPI_Send(reply, kReplyWords, MPI_INT64_T, status.MPI_SOURCE, kReplyTag, r.comm);
-    MPI_Irecv(&query, 1, MPI_INT64_T, MPI_ANY_SOURCE, kQueryTag, r.comm, &request);
+    MPI_Send(reply, kReplyWords, MPI_INT64_T, status.MPI_SOURCE, kReplyTag,
+             r.comm);
+    MPI_Irecv(&query, 1, MPI_INT64_T, MPI_ANY_SOURCE, kQueryTag, r.comm,
+              &request);
   }
   MPI_Cancel(&request);
   MPI_Wait(&request, MPI_STATUS_IGNORE);
@@ -845,7 +883,8 @@ std::string ProbeOtherRanks(const Signature& mine, int64_t comm_id, int peer) {
   // Leaked on purpose when a rank does not answer (its reply may come later).
   auto* replies = new int64_t[static_cast<size_t>(size) * kReplyWords];
   auto* query = new int64_t(probe);
-  std::vector<MPI_Request> recvs(size, MPI_REQUEST_NULL), sends(size, MPI_REQUEST_NULL);
+  std::vector<MPI_Request> recvs(size, MPI_REQUEST_NULL),
+      sends(size, MPI_REQUEST_NULL);
   for (int q = 0; q < size; ++q) {
     int64_t* reply = replies + static_cast<size_t>(q) * kReplyWords;
     for (int i = 0; i < kReplyWords; ++i) reply[i] = -1;
@@ -881,9 +920,10 @@ std::string ProbeOtherRanks(const Signature& mine, int64_t comm_id, int peer) {
   }
   Text msg;
   msg << "distlinalg: mismatched communication across ranks: this rank (" << me
-      << ") waits to check " << Describe(mine.words())
-      << ", which rank" << (blocking.size() > 1 ? "s " : " ");
-  for (size_t i = 0; i < blocking.size(); ++i) msg << (i ? ", " : "") << blocking[i];
+      << ") waits to check " << Describe(mine.words()) << ", which rank"
+      << (blocking.size() > 1 ? "s " : " ");
+  for (size_t i = 0; i < blocking.size(); ++i)
+    msg << (i ? ", " : "") << blocking[i];
   msg << " can never join. What each rank is doing (ranks of MPI_COMM_WORLD):";
   for (int q = 0; q < size; ++q) {
     if (q == me) {
@@ -893,7 +933,8 @@ std::string ProbeOtherRanks(const Signature& mine, int64_t comm_id, int peer) {
     }
     const int64_t* reply = replies + static_cast<size_t>(q) * kReplyWords;
     msg << "\n  rank " << q << ": "
-        << (reply[kProbeId] == probe ? DescribeState(reply, q) : "did not answer")
+        << (reply[kProbeId] == probe ? DescribeState(reply, q)
+                                     : "did not answer")
         << (std::find(blocking.begin(), blocking.end(), q) != blocking.end()
                 ? "   <-- cannot meet this call"
                 : "");
@@ -924,7 +965,8 @@ void NotifyPeers(int64_t id) {
   for (int q = 0; q < size; ++q) {
     if (q == me) continue;
     MPI_Request request;
-    if (MPI_Isend(message, 1, MPI_INT64_T, q, kPoisonTag, r.comm, &request) == MPI_SUCCESS) {
+    if (MPI_Isend(message, 1, MPI_INT64_T, q, kPoisonTag, r.comm, &request) ==
+        MPI_SUCCESS) {
       sends.push_back(request);
     }
   }

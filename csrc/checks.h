@@ -100,8 +100,8 @@ struct ActiveCall {
 
 class CallRecord {
  public:
-  CallRecord(const char* op, MPI_Comm comm, ffi::DataType dtype,
-             int64_t count, int64_t root = -1);
+  CallRecord(const char* op, MPI_Comm comm, ffi::DataType dtype, int64_t count,
+             int64_t root = -1);
   ~CallRecord();
   CallRecord(const CallRecord&) = delete;
   CallRecord& operator=(const CallRecord&) = delete;
@@ -129,16 +129,16 @@ class CallRecord {
 // CHECK is an expression of `dl_sig_` returning ffi::Error.
 #define DL_CHECKED_CALL(record, SIGNATURE, CHECK) \
   DL_CHECKED_CALL_IF(true, record, SIGNATURE, CHECK)
-#define DL_CHECKED_CALL_IF(eligible, record, SIGNATURE, CHECK)     \
-  DL_CHECK((record).Alone());                                     \
-  const Signature dl_sig_ = (SIGNATURE);                          \
-  {                                                               \
+#define DL_CHECKED_CALL_IF(eligible, record, SIGNATURE, CHECK)            \
+  DL_CHECK((record).Alone());                                             \
+  const Signature dl_sig_ = (SIGNATURE);                                  \
+  {                                                                       \
     const bool dl_checked_ = (eligible) && ShouldCheck(site, run.run_id); \
-    if (dl_checked_) {                                            \
-      (record).Checking(dl_sig_);                                 \
-      DL_CHECK(CHECK);                                            \
-    }                                                             \
-    (record).Running(dl_sig_, dl_checked_);                       \
+    if (dl_checked_) {                                                    \
+      (record).Checking(dl_sig_);                                         \
+      DL_CHECK(CHECK);                                                    \
+    }                                                                     \
+    (record).Running(dl_sig_, dl_checked_);                               \
   }
 
 // Tags at or above this carry distlinalg's derivative messages
@@ -180,8 +180,8 @@ constexpr auto kCancelGrace = std::chrono::seconds(1);
 // or the error of a completed request, as the blocking call would return).
 // The error: the wait was cancelled (the requests are left pending).
 // `statuses` may be null.
-ffi::Error WaitOrCancel(const char* op, MPI_Comm comm, int n, MPI_Request* requests,
-                        MPI_Status* statuses, int* rc);
+ffi::Error WaitOrCancel(const char* op, MPI_Comm comm, int n,
+                        MPI_Request* requests, MPI_Status* statuses, int* rc);
 // The same error as a cancelled wait, or success: for loops that poll
 // themselves (a matched probe, the signature checks).
 ffi::Error CancelIfPoisoned(const char* op, MPI_Comm comm);

@@ -73,7 +73,8 @@ const Driver& LoadDriver() {
     Resolve(lib, "cuEventDestroy_v2", &driver.event_destroy, &e);
     if (e.empty()) {
       CUresult rc = driver.init(0);
-      if (rc != CUDA_SUCCESS) e = "cuInit failed with code " + std::to_string(rc);
+      if (rc != CUDA_SUCCESS)
+        e = "cuInit failed with code " + std::to_string(rc);
     }
   });
   return driver;
@@ -209,7 +210,8 @@ ffi::Error DeviceCopy(void* dst, const void* src, size_t bytes) {
   ffi::Error error = ffi::Error::Success();
   const Driver* d = DriverOrNull(&error);
   if (d == nullptr) return error;
-  CUresult rc = d->copy_on_device(DevicePtr(dst), DevicePtr(src), bytes, t_stream);
+  CUresult rc =
+      d->copy_on_device(DevicePtr(dst), DevicePtr(src), bytes, t_stream);
   if (rc != CUDA_SUCCESS) return CudaError("cuMemcpyDtoDAsync", rc);
   return Synchronize(t_stream);
 }
@@ -226,7 +228,8 @@ ffi::Error DeviceZero(void* dst, size_t bytes) {
 // Device memory has no host page tables to advise.
 void DeviceBackByHugePages(const void*, size_t) {}
 
-const BufferOps kDeviceBufferOps{&DeviceCopy, &DeviceZero, &DeviceBackByHugePages};
+const BufferOps kDeviceBufferOps{&DeviceCopy, &DeviceZero,
+                                 &DeviceBackByHugePages};
 
 }  // namespace
 
@@ -356,7 +359,8 @@ ffi::AnyBuffer Staging::Host(ffi::AnyBuffer device) {
 ffi::Result<ffi::AnyBuffer> Staging::Host(ffi::Result<ffi::AnyBuffer> device) {
   Slot& slot = SlotFor(device->untyped_data(), device->size_bytes());
   slot.result = true;
-  return ffi::Result<ffi::AnyBuffer>(ffi::AnyBuffer(HostView(*device, slot.host)));
+  return ffi::Result<ffi::AnyBuffer>(
+      ffi::AnyBuffer(HostView(*device, slot.host)));
 }
 
 ffi::Error Staging::FinishInputs() {
@@ -397,7 +401,9 @@ ffi::Error Staging::ChunkedToHost(const Slot& slot) {
   if (error.failure()) return error;
   pending_ = true;
   const size_t chunks = (slot.bytes + chunk - 1) / chunk;
-  const auto length = [&](size_t k) { return std::min(chunk, slot.bytes - k * chunk); };
+  const auto length = [&](size_t k) {
+    return std::min(chunk, slot.bytes - k * chunk);
+  };
   auto* host = static_cast<char*>(slot.host);
   // Waits for chunk k's copy into its block, then moves it to the host buffer.
   const auto land = [&](size_t k) -> ffi::Error {
@@ -408,13 +414,15 @@ ffi::Error Staging::ChunkedToHost(const Slot& slot) {
   };
   for (size_t k = 0; k < chunks; ++k) {
     if (k >= 2) DL_CHECK(land(k - 2));
-    CUresult rc = d->copy_to_host(bounce.block[k % 2],
-                                  DevicePtr(slot.device) + k * chunk, length(k), stream_);
+    CUresult rc =
+        d->copy_to_host(bounce.block[k % 2], DevicePtr(slot.device) + k * chunk,
+                        length(k), stream_);
     if (rc != CUDA_SUCCESS) return CudaError("cuMemcpyDtoHAsync", rc);
     rc = d->event_record(bounce.done[k % 2], stream_);
     if (rc != CUDA_SUCCESS) return CudaError("cuEventRecord", rc);
   }
-  for (size_t k = chunks >= 2 ? chunks - 2 : 0; k < chunks; ++k) DL_CHECK(land(k));
+  for (size_t k = chunks >= 2 ? chunks - 2 : 0; k < chunks; ++k)
+    DL_CHECK(land(k));
   return ffi::Error::Success();
 }
 

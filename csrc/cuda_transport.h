@@ -77,8 +77,8 @@ class Staging {
     void* device = nullptr;
     void* host = nullptr;
     size_t bytes = 0;
-    bool filled = false;  // device-to-host copy issued
-    bool result = false;  // copied back after the call
+    bool filled = false;   // device-to-host copy issued
+    bool result = false;   // copied back after the call
     bool chunked = false;  // pageable host memory, copied through bounce blocks
   };
   Slot& SlotFor(void* device, size_t bytes);
@@ -129,7 +129,8 @@ struct OnStream;
 template <typename... Args, ffi::Error (*Impl)(Args...), bool kAlwaysStaged>
 struct OnStream<ffi::Error(Args...), Impl, kAlwaysStaged> {
   static ffi::Error Call(CUstream stream, Args... args) {
-    const bool staged = kAlwaysStaged || CurrentTransport() == Transport::kHostStaged ||
+    const bool staged = kAlwaysStaged ||
+                        CurrentTransport() == Transport::kHostStaged ||
                         (NeedsHost(args) || ...);
     if (!staged) {
       DL_CHECK(Synchronize(stream));
@@ -158,15 +159,16 @@ struct OnStream<ffi::Error(Args...), Impl, kAlwaysStaged> {
 // Defines `symbol` (the CPU handler), `symbol##Cuda` (XLA's CUDA stream
 // first) and `symbol##CudaEmulated` (the CUDA code path registered on the
 // CPU, for tests) from one signature macro `SIGNATURE(binding)`.
-#define DL_DEFINE_HANDLERS_WITH(symbol, impl, SIGNATURE, staged)                       \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl, SIGNATURE(ffi::Ffi::Bind()));           \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                      \
-      symbol##Cuda,                                                                   \
-      (distlinalg::cuda::OnStream<decltype(impl), &impl, staged>::Call),              \
-      SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<CUstream>>()));              \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                      \
-      symbol##CudaEmulated,                                                           \
-      (distlinalg::cuda::OnStream<decltype(impl), &impl, staged>::CallWithoutStream), \
+#define DL_DEFINE_HANDLERS_WITH(symbol, impl, SIGNATURE, staged)            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl, SIGNATURE(ffi::Ffi::Bind())); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                            \
+      symbol##Cuda,                                                         \
+      (distlinalg::cuda::OnStream<decltype(impl), &impl, staged>::Call),    \
+      SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<CUstream>>()));    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                            \
+      symbol##CudaEmulated,                                                 \
+      (distlinalg::cuda::OnStream<decltype(impl), &impl,                    \
+                                  staged>::CallWithoutStream),              \
       SIGNATURE(ffi::Ffi::Bind()))
 #define DL_DEFINE_HANDLERS(symbol, impl, SIGNATURE) \
   DL_DEFINE_HANDLERS_WITH(symbol, impl, SIGNATURE, false)

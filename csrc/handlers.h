@@ -15,20 +15,20 @@
 
 // Every handler: (FFI target name, handler symbol). The one list: the
 // declarations below and the registrations in module.cc expand it.
-#define DL_FOR_EACH_HANDLER(X)                    \
-  X("distlinalg_allreduce", DlAllreduce)          \
-  X("distlinalg_reduce", DlReduce)                \
-  X("distlinalg_bcast", DlBcast)                  \
-  X("distlinalg_gather", DlGather)                \
-  X("distlinalg_scatter", DlScatter)              \
-  X("distlinalg_allgather", DlAllgather)          \
-  X("distlinalg_reduce_scatter", DlReduceScatter) \
-  X("distlinalg_alltoall", DlAlltoall)            \
-  X("distlinalg_scan", DlScan)                    \
-  X("distlinalg_barrier", DlBarrier)              \
-  X("distlinalg_send", DlSend)                    \
-  X("distlinalg_recv", DlRecv)                    \
-  X("distlinalg_sendrecv", DlSendrecv)            \
+#define DL_FOR_EACH_HANDLER(X)                      \
+  X("distlinalg_allreduce", DlAllreduce)            \
+  X("distlinalg_reduce", DlReduce)                  \
+  X("distlinalg_bcast", DlBcast)                    \
+  X("distlinalg_gather", DlGather)                  \
+  X("distlinalg_scatter", DlScatter)                \
+  X("distlinalg_allgather", DlAllgather)            \
+  X("distlinalg_reduce_scatter", DlReduceScatter)   \
+  X("distlinalg_alltoall", DlAlltoall)              \
+  X("distlinalg_scan", DlScan)                      \
+  X("distlinalg_barrier", DlBarrier)                \
+  X("distlinalg_send", DlSend)                      \
+  X("distlinalg_recv", DlRecv)                      \
+  X("distlinalg_sendrecv", DlSendrecv)              \
   X("distlinalg_sendrecv_status", DlSendrecvStatus) \
   X("distlinalg_iallreduce", DlIallreduce)          \
   X("distlinalg_iallgather", DlIallgather)          \

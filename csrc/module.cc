@@ -52,9 +52,9 @@ std::string RuntimeLibraryVersion() {
 
 // Target name -> handler, for one variant ("cpu", "cuda", "cuda_emulated").
 #if defined(DL_WITH_CUDA)
-#define DL_VARIANT(symbol, variant)                                 \
-  (variant == "cuda"            ? Capsule(symbol##Cuda)             \
-   : variant == "cuda_emulated" ? Capsule(symbol##CudaEmulated)     \
+#define DL_VARIANT(symbol, variant)                             \
+  (variant == "cuda"            ? Capsule(symbol##Cuda)         \
+   : variant == "cuda_emulated" ? Capsule(symbol##CudaEmulated) \
                                 : Capsule(symbol))
 #else
 #define DL_VARIANT(symbol, variant) Capsule(symbol)
@@ -89,16 +89,15 @@ NB_MODULE(_native, m) {
       "registrations",
       [](const std::string& variant) {
 #if defined(DL_WITH_CUDA)
-        const bool known = variant == "cpu" || variant == "cuda" ||
-                           variant == "cuda_emulated";
+        const bool known =
+            variant == "cpu" || variant == "cuda" || variant == "cuda_emulated";
 #else
         const bool known = variant == "cpu";
 #endif
         if (!known) {
-          throw nb::value_error(
-              ("distlinalg: no handlers for variant '" + variant +
-               "' in this build")
-                  .c_str());
+          throw nb::value_error(("distlinalg: no handlers for variant '" +
+                                 variant + "' in this build")
+                                    .c_str());
         }
         return Registrations(variant);
       },
@@ -109,21 +108,29 @@ NB_MODULE(_native, m) {
 
   m.def(
       "scalapack_load",
-      [](const std::vector<std::string>& paths) { return dl::scalapack::Load(paths); },
+      [](const std::vector<std::string>& paths) {
+        return dl::scalapack::Load(paths);
+      },
       nb::arg("paths"),
-      "dlopen MKL's ScaLAPACK libraries `paths` in order and bind its routines: '' or why not.");
+      "dlopen MKL's ScaLAPACK libraries `paths` in order and bind its "
+      "routines: '' or why not.");
   m.def("scalapack_loaded", &dl::scalapack::Loaded);
 
   m.def("wait_discard", &dl::WaitAndDiscard, nb::arg("key"),
-        "Completes a pending non-blocking request and drops its result ('' or the error).");
+        "Completes a pending non-blocking request and drops its result ('' or "
+        "the error).");
 
-  m.def("mpi_cuda_support", [] {
-    dl::MpiCudaSupport s = dl::QueryMpiCudaSupport();
-    nb::dict d;
-    d["supported"] = s.supported;
-    d["method"] = s.method;
-    return d;
-  }, "Whether the MPI library reports CUDA-aware support (1, 0, or -1 unknown).");
+  m.def(
+      "mpi_cuda_support",
+      [] {
+        dl::MpiCudaSupport s = dl::QueryMpiCudaSupport();
+        nb::dict d;
+        d["supported"] = s.supported;
+        d["method"] = s.method;
+        return d;
+      },
+      "Whether the MPI library reports CUDA-aware support (1, 0, or -1 "
+      "unknown).");
 
 #if defined(DL_WITH_CUDA)
   m.def("cuda_driver_status", &dl::cuda::DriverStatus,
@@ -152,8 +159,8 @@ NB_MODULE(_native, m) {
     nb::dict d;
     d["implementation"] = Implementation();
     d["header_version"] = HeaderVersion();
-    d["mpi_standard"] = std::to_string(MPI_VERSION) + "." +
-                        std::to_string(MPI_SUBVERSION);
+    d["mpi_standard"] =
+        std::to_string(MPI_VERSION) + "." + std::to_string(MPI_SUBVERSION);
     d["comm_world_handle"] = dl::HandleFromComm(MPI_COMM_WORLD);
     d["comm_null_handle"] = dl::HandleFromComm(MPI_COMM_NULL);
 #if defined(DL_WITH_CUDA)
@@ -185,8 +192,10 @@ NB_MODULE(_native, m) {
       "0 off, 1 first run of each call site (default), 2 every call.");
   m.def(
       "set_cancellable_collectives",
-      [](bool on) { dl::GlobalSettings().cancellable_collectives = on; }, nb::arg("on"),
-      "Collectives as nonblocking MPI calls polled cancellably (True), or MPI's blocking calls.");
+      [](bool on) { dl::GlobalSettings().cancellable_collectives = on; },
+      nb::arg("on"),
+      "Collectives as nonblocking MPI calls polled cancellably (True), or "
+      "MPI's blocking calls.");
   m.def("settings", [] {
     const auto& s = dl::GlobalSettings();
     nb::dict d;
@@ -214,10 +223,10 @@ NB_MODULE(_native, m) {
           d["root"] = c.root;
           d["comm"] = c.comm;
           d["rank"] = c.rank;
-          d["phase"] = std::string(c.phase == dl::Phase::kChecking ? "checking" : "running");
+          d["phase"] = std::string(c.phase == dl::Phase::kChecking ? "checking"
+                                                                   : "running");
           d["checked"] = c.checked;
-          d["seconds"] =
-              std::chrono::duration<double>(now - c.start).count();
+          d["seconds"] = std::chrono::duration<double>(now - c.start).count();
           d["seq"] = c.seq;
           calls.append(d);
         }
@@ -227,7 +236,8 @@ NB_MODULE(_native, m) {
       "(op, dtype, count, root (peer for point-to-point; -1 none), comm, "
       "rank, seconds since the call started, seq).");
   m.def("mark_misused", &dl::MarkMisused, nb::arg("comm"),
-        "Refuse every later call on communicator `comm` (two threads used it at once).");
+        "Refuse every later call on communicator `comm` (two threads used it "
+        "at once).");
   m.def("calls_started", &dl::CallsStarted,
         "How many distlinalg MPI calls this process has started.");
   m.def(
@@ -252,8 +262,9 @@ NB_MODULE(_native, m) {
           rc = dl::StartResponder(dl::CommFromHandle(world));
         }
         if (rc != MPI_SUCCESS) {
-          throw std::runtime_error("distlinalg: could not start the responder: " +
-                                   dl::MpiErrorString(rc));
+          throw std::runtime_error(
+              "distlinalg: could not start the responder: " +
+              dl::MpiErrorString(rc));
         }
       },
       nb::arg("world"),
@@ -275,8 +286,10 @@ NB_MODULE(_native, m) {
           rc = dl::PrepareChecks(dl::CommFromHandle(comm));
         }
         if (rc != MPI_SUCCESS) {
-          throw std::runtime_error("distlinalg: could not create the check "
-                                   "communicator: " + dl::MpiErrorString(rc));
+          throw std::runtime_error(
+              "distlinalg: could not create the check "
+              "communicator: " +
+              dl::MpiErrorString(rc));
         }
       },
       nb::arg("comm"),

@@ -58,14 +58,16 @@ void HostBackByHugePages(const void* data, size_t bytes) {
   constexpr auto kCollapseDidWork = std::chrono::microseconds(50);
   constexpr int kRecycled = 2;
   constexpr uint32_t kRetryEvery = 64;
-  const uintptr_t start = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  const uintptr_t start =
+      (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end =
+      (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
   if (end <= start) return;
   void* range = reinterpret_cast<void*>(start);
   const size_t length = end - start;
   struct Range {
     uintptr_t start = 0, end = 0;
-    int collapses = 0;   // consecutive collapses that copied pages
+    int collapses = 0;  // consecutive collapses that copied pages
     uint32_t skipped = 0;
     bool probation = false;  // recycled, collapsed again: is it still?
   };
@@ -83,7 +85,8 @@ void HostBackByHugePages(const void* data, size_t bytes) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   const int rc = madvise(range, length, MADV_COLLAPSE);
-  const bool copied = rc == 0 && std::chrono::steady_clock::now() - t0 >= kCollapseDidWork;
+  const bool copied =
+      rc == 0 && std::chrono::steady_clock::now() - t0 >= kCollapseDidWork;
   if (entry == nullptr) {
     if (!copied) return;
     entry = &seen[next];
@@ -95,7 +98,7 @@ void HostBackByHugePages(const void* data, size_t bytes) {
   } else if (entry->probation) {
     entry->probation = false;  // still recycled
   } else if (entry->collapses >= kRecycled) {
-    entry->probation = true;   // the periodic retry copied: look again next time
+    entry->probation = true;  // the periodic retry copied: look again next time
   } else {
     ++entry->collapses;
   }
@@ -134,7 +137,8 @@ MpiCudaSupport QueryMpiCudaSupport() {
   } else if (void* sym = lookup("MPIX_GPU_query_support")) {
     using Query = int (*)(int, int*);
     int supported = 0;
-    constexpr int kMpixGpuSupportCuda = 0;  // MPIX_GPU_SUPPORT_CUDA in MPICH's mpi.h
+    constexpr int kMpixGpuSupportCuda =
+        0;  // MPIX_GPU_SUPPORT_CUDA in MPICH's mpi.h
     if (reinterpret_cast<Query>(sym)(kMpixGpuSupportCuda, &supported) ==
         MPI_SUCCESS) {
       result.supported = supported != 0 ? 1 : 0;
@@ -220,8 +224,7 @@ uint16_t FloatToF16(float f) {
     return sign | static_cast<uint16_t>(value);
   }
   uint32_t rounded = abs + 0xFFF + ((abs >> 13) & 1);  // nearest even
-  return sign |
-         static_cast<uint16_t>(((rounded - 0x38000000) >> 13) & 0x7FFF);
+  return sign | static_cast<uint16_t>(((rounded - 0x38000000) >> 13) & 0x7FFF);
 }
 
 MPI_Datatype& F16Type() {
@@ -295,7 +298,9 @@ void NanExtremum(void* in, void* inout, int* len, MPI_Datatype*) {
   T* b = static_cast<T*>(inout);
   for (int i = 0; i < *len; ++i) {
     const T x = a[i], y = b[i];
-    b[i] = (x != x) ? x : (y != y) ? y : (kMax ? (x > y ? x : y) : (x < y ? x : y));
+    b[i] = (x != x)   ? x
+           : (y != y) ? y
+                      : (kMax ? (x > y ? x : y) : (x < y ? x : y));
   }
 }
 
@@ -316,43 +321,69 @@ void InitFloatOps() {
 TypeInfo MpiType(ffi::DataType dtype) {
   using DT = ffi::DataType;
   switch (dtype) {
-    case DT::PRED: return {MPI_C_BOOL, 1, true};
-    case DT::S8: return {MPI_INT8_T, 1, true};
-    case DT::S16: return {MPI_INT16_T, 2, true};
-    case DT::S32: return {MPI_INT32_T, 4, true};
-    case DT::S64: return {MPI_INT64_T, 8, true};
-    case DT::U8: return {MPI_UINT8_T, 1, true};
-    case DT::U16: return {MPI_UINT16_T, 2, true};
-    case DT::U32: return {MPI_UINT32_T, 4, true};
-    case DT::U64: return {MPI_UINT64_T, 8, true};
-    case DT::F32: return {MPI_FLOAT, 4, true};
-    case DT::F64: return {MPI_DOUBLE, 8, true};
-    case DT::C64: return {MPI_C_FLOAT_COMPLEX, 8, true};
-    case DT::C128: return {MPI_C_DOUBLE_COMPLEX, 16, true};
-    case DT::F16: InitHalfTypes(); return {F16Type(), 2, true};
-    case DT::BF16: InitHalfTypes(); return {Bf16Type(), 2, true};
-    default: return {};
+    case DT::PRED:
+      return {MPI_C_BOOL, 1, true};
+    case DT::S8:
+      return {MPI_INT8_T, 1, true};
+    case DT::S16:
+      return {MPI_INT16_T, 2, true};
+    case DT::S32:
+      return {MPI_INT32_T, 4, true};
+    case DT::S64:
+      return {MPI_INT64_T, 8, true};
+    case DT::U8:
+      return {MPI_UINT8_T, 1, true};
+    case DT::U16:
+      return {MPI_UINT16_T, 2, true};
+    case DT::U32:
+      return {MPI_UINT32_T, 4, true};
+    case DT::U64:
+      return {MPI_UINT64_T, 8, true};
+    case DT::F32:
+      return {MPI_FLOAT, 4, true};
+    case DT::F64:
+      return {MPI_DOUBLE, 8, true};
+    case DT::C64:
+      return {MPI_C_FLOAT_COMPLEX, 8, true};
+    case DT::C128:
+      return {MPI_C_DOUBLE_COMPLEX, 16, true};
+    case DT::F16:
+      InitHalfTypes();
+      return {F16Type(), 2, true};
+    case DT::BF16:
+      InitHalfTypes();
+      return {Bf16Type(), 2, true};
+    default:
+      return {};
   }
 }
 
 MPI_Op MpiOp(ReduceOp op, ffi::DataType dtype) {
   using DT = ffi::DataType;
   bool complex = dtype == DT::C64 || dtype == DT::C128;
-  bool floating = complex || dtype == DT::F16 || dtype == DT::BF16 || dtype == DT::F32 || dtype == DT::F64;
+  bool floating = complex || dtype == DT::F16 || dtype == DT::BF16 ||
+                  dtype == DT::F32 || dtype == DT::F64;
   if (op >= ReduceOp::kBand && op <= ReduceOp::kLxor) {
     if (floating) return MPI_OP_NULL;
-    if (dtype == DT::PRED) {  // MPI's bitwise ops do not take MPI_C_BOOL; on bools they are the logical ones
+    if (dtype == DT::PRED) {  // MPI's bitwise ops do not take MPI_C_BOOL; on
+                              // bools they are the logical ones
       if (op == ReduceOp::kBand || op == ReduceOp::kLand) return MPI_LAND;
       if (op == ReduceOp::kBor || op == ReduceOp::kLor) return MPI_LOR;
       return MPI_LXOR;
     }
     switch (op) {
-      case ReduceOp::kBand: return MPI_BAND;
-      case ReduceOp::kBor: return MPI_BOR;
-      case ReduceOp::kBxor: return MPI_BXOR;
-      case ReduceOp::kLand: return MPI_LAND;
-      case ReduceOp::kLor: return MPI_LOR;
-      default: return MPI_LXOR;
+      case ReduceOp::kBand:
+        return MPI_BAND;
+      case ReduceOp::kBor:
+        return MPI_BOR;
+      case ReduceOp::kBxor:
+        return MPI_BXOR;
+      case ReduceOp::kLand:
+        return MPI_LAND;
+      case ReduceOp::kLor:
+        return MPI_LOR;
+      default:
+        return MPI_LXOR;
     }
   }
   if (op < ReduceOp::kSum || op > ReduceOp::kMax) return MPI_OP_NULL;
@@ -363,58 +394,93 @@ MPI_Op MpiOp(ReduceOp op, ffi::DataType dtype) {
   if ((dtype == DT::F32 || dtype == DT::F64) &&
       (op == ReduceOp::kMin || op == ReduceOp::kMax)) {
     InitFloatOps();
-    return float_ops[(dtype == DT::F64 ? 2 : 0) + (op == ReduceOp::kMax ? 1 : 0)];
+    return float_ops[(dtype == DT::F64 ? 2 : 0) +
+                     (op == ReduceOp::kMax ? 1 : 0)];
   }
   if (dtype == DT::PRED) {
     switch (op) {
-      case ReduceOp::kMin: return MPI_LAND;
-      case ReduceOp::kMax: return MPI_LOR;
-      default: return MPI_OP_NULL;
+      case ReduceOp::kMin:
+        return MPI_LAND;
+      case ReduceOp::kMax:
+        return MPI_LOR;
+      default:
+        return MPI_OP_NULL;
     }
   }
   switch (op) {
-    case ReduceOp::kSum: return MPI_SUM;
-    case ReduceOp::kProd: return MPI_PROD;
-    case ReduceOp::kMin: return complex ? MPI_OP_NULL : MPI_MIN;
-    case ReduceOp::kMax: return complex ? MPI_OP_NULL : MPI_MAX;
-    default: return MPI_OP_NULL;
+    case ReduceOp::kSum:
+      return MPI_SUM;
+    case ReduceOp::kProd:
+      return MPI_PROD;
+    case ReduceOp::kMin:
+      return complex ? MPI_OP_NULL : MPI_MIN;
+    case ReduceOp::kMax:
+      return complex ? MPI_OP_NULL : MPI_MAX;
+    default:
+      return MPI_OP_NULL;
   }
 }
 
 const char* DtypeName(ffi::DataType dtype) {
   using DT = ffi::DataType;
   switch (dtype) {
-    case DT::PRED: return "bool";
-    case DT::S8: return "int8";
-    case DT::S16: return "int16";
-    case DT::S32: return "int32";
-    case DT::S64: return "int64";
-    case DT::U8: return "uint8";
-    case DT::U16: return "uint16";
-    case DT::U32: return "uint32";
-    case DT::U64: return "uint64";
-    case DT::F16: return "float16";
-    case DT::BF16: return "bfloat16";
-    case DT::F32: return "float32";
-    case DT::F64: return "float64";
-    case DT::C64: return "complex64";
-    case DT::C128: return "complex128";
-    default: return "unsupported";
+    case DT::PRED:
+      return "bool";
+    case DT::S8:
+      return "int8";
+    case DT::S16:
+      return "int16";
+    case DT::S32:
+      return "int32";
+    case DT::S64:
+      return "int64";
+    case DT::U8:
+      return "uint8";
+    case DT::U16:
+      return "uint16";
+    case DT::U32:
+      return "uint32";
+    case DT::U64:
+      return "uint64";
+    case DT::F16:
+      return "float16";
+    case DT::BF16:
+      return "bfloat16";
+    case DT::F32:
+      return "float32";
+    case DT::F64:
+      return "float64";
+    case DT::C64:
+      return "complex64";
+    case DT::C128:
+      return "complex128";
+    default:
+      return "unsupported";
   }
 }
 
 const char* OpName(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kProd: return "prod";
-    case ReduceOp::kMin: return "min";
-    case ReduceOp::kMax: return "max";
-    case ReduceOp::kBand: return "band";
-    case ReduceOp::kBor: return "bor";
-    case ReduceOp::kBxor: return "bxor";
-    case ReduceOp::kLand: return "land";
-    case ReduceOp::kLor: return "lor";
-    case ReduceOp::kLxor: return "lxor";
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kProd:
+      return "prod";
+    case ReduceOp::kMin:
+      return "min";
+    case ReduceOp::kMax:
+      return "max";
+    case ReduceOp::kBand:
+      return "band";
+    case ReduceOp::kBor:
+      return "bor";
+    case ReduceOp::kBxor:
+      return "bxor";
+    case ReduceOp::kLand:
+      return "land";
+    case ReduceOp::kLor:
+      return "lor";
+    case ReduceOp::kLxor:
+      return "lxor";
   }
   return "?";
 }

@@ -24,10 +24,19 @@ namespace ffi = xla::ffi;
 
 // ---------------------------------------------------------------------------
 // Operation codes shared with Python (distlinalg/_mpi.py keeps the same table).
-// The bitwise and logical ones take integer and bool buffers only (checked in Python).
+// The bitwise and logical ones take integer and bool buffers only (checked in
+// Python).
 enum class ReduceOp : int32_t {
-  kSum = 0, kProd = 1, kMin = 2, kMax = 3,
-  kBand = 4, kBor = 5, kBxor = 6, kLand = 7, kLor = 8, kLxor = 9,
+  kSum = 0,
+  kProd = 1,
+  kMin = 2,
+  kMax = 3,
+  kBand = 4,
+  kBor = 5,
+  kBxor = 6,
+  kLand = 7,
+  kLor = 8,
+  kLxor = 9,
 };
 
 // ---------------------------------------------------------------------------
@@ -54,13 +63,15 @@ inline int64_t HandleFromComm(Comm comm) {
 // ---------------------------------------------------------------------------
 // Global settings, changed from Python.
 struct Settings {
-  bool debug_log = false;        // DISTLINALG_DEBUG: log every MPI call
-  int check_mode = 1;  // DISTLINALG_CHECK: 0 off, 1 first run, 2 every call (checks.h)
-  bool serialize = false;        // thread level < MULTIPLE: one thread in MPI
+  bool debug_log = false;  // DISTLINALG_DEBUG: log every MPI call
+  int check_mode =
+      1;  // DISTLINALG_CHECK: 0 off, 1 first run, 2 every call (checks.h)
+  bool serialize = false;  // thread level < MULTIPLE: one thread in MPI
   int64_t max_count = std::numeric_limits<int>::max();  // per-call element cap
   // DISTLINALG_CANCELLABLE_WAITS: collectives start nonblocking and are polled,
   // so a poisoned communicator cancels them (checks.h, WaitOrCancel); off, they
-  // are MPI's blocking calls (Open MPI's nonblocking collectives cost 1.8-2.6x).
+  // are MPI's blocking calls (Open MPI's nonblocking collectives
+  // cost 1.8-2.6x).
   bool cancellable_collectives = true;
 };
 Settings& GlobalSettings();
@@ -81,7 +92,9 @@ class Text {
     return *this;
   }
   Text& operator<<(const char* s) { return *this << std::string_view(s); }
-  Text& operator<<(const std::string& s) { return *this << std::string_view(s); }
+  Text& operator<<(const std::string& s) {
+    return *this << std::string_view(s);
+  }
   Text& operator<<(char c) {
     text_.push_back(c);
     return *this;
@@ -149,10 +162,10 @@ inline void BackByHugePages(const ffi::AnyBuffer& b) {
   BackByHugePages(b.untyped_data(), b.size_bytes());
 }
 
-#define DL_CHECK(call)                         \
-  do {                                         \
-    ffi::Error dl_err_ = (call);               \
-    if (dl_err_.failure()) return dl_err_;     \
+#define DL_CHECK(call)                     \
+  do {                                     \
+    ffi::Error dl_err_ = (call);           \
+    if (dl_err_.failure()) return dl_err_; \
   } while (0)
 
 // ---------------------------------------------------------------------------
@@ -161,8 +174,8 @@ inline void BackByHugePages(const ffi::AnyBuffer& b) {
 // The symbols are looked up in the libmpi this extension is linked to, so
 // the answer does not depend on which mpi.h the build saw.
 struct MpiCudaSupport {
-  int supported = -1;   // 1 yes, 0 no, -1 the library cannot say
-  std::string method;   // how it was determined
+  int supported = -1;  // 1 yes, 0 no, -1 the library cannot say
+  std::string method;  // how it was determined
 };
 MpiCudaSupport QueryMpiCudaSupport();
 
@@ -184,9 +197,9 @@ inline ffi::Error MpiError(const char* op, int code) {
                         MpiErrorString(code));
 }
 
-#define DL_MPI_CHECK(op, call)              \
-  do {                                      \
-    int dl_rc_ = (call);                    \
+#define DL_MPI_CHECK(op, call)                              \
+  do {                                                      \
+    int dl_rc_ = (call);                                    \
     if (dl_rc_ != MPI_SUCCESS) return MpiError(op, dl_rc_); \
   } while (0)
 

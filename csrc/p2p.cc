@@ -33,12 +33,14 @@ ffi::Error KeepTemplateBeyondMessage(const char* op, const MPI_Status& status,
   DL_MPI_CHECK(op, MPI_Get_elements_x(&status, block.type(), &elements));
   // MPI counts basic elements; float16 and bfloat16 are built from bytes.
   const ffi::DataType dtype = templ.element_type();
-  const size_t basic = (dtype == ffi::DataType::F16 || dtype == ffi::DataType::BF16)
-                           ? 1
-                           : ti.itemsize;
+  const size_t basic =
+      (dtype == ffi::DataType::F16 || dtype == ffi::DataType::BF16)
+          ? 1
+          : ti.itemsize;
   const size_t total = templ.size_bytes();
   const size_t received =
-      elements <= 0 ? 0 : std::min(total, static_cast<size_t>(elements) * basic);
+      elements <= 0 ? 0
+                    : std::min(total, static_cast<size_t>(elements) * basic);
   if (received == total) return ffi::Error::Success();
   return CopyBytes(static_cast<char*>(y->untyped_data()) + received,
                    static_cast<const char*>(templ.untyped_data()) + received,
@@ -50,47 +52,60 @@ ffi::Error KeepTemplateBeyondMessage(const char* op, const MPI_Status& status,
 // truncated by MPI. Both are reported on the receiving rank: a shorter one
 // with the two sizes, a longer one with the template's (MPI's status of a
 // truncated receive does not hold the message's length, and probing every
-// receive first would cost a round trip into MPI per message). `may_lack` (distlinalg/comm/p2p.py, _fills): 0, the message fills
-// the template; k > 0, it may also lack k elements (the flags of the primal
-// message of a differentiated exchange, which a source that does not
-// differentiate does not send); -1, it may be shorter (the caller gets the
-// status, which counts it). Messages with distlinalg's own tags
-// (derivatives) and from MPI_PROC_NULL are not checked.
-ffi::Error CheckMessageFills(const char* op, int rc, const MPI_Status& status, int source, int tag,
-                             const BlockType& block, TypeInfo ti, ffi::DataType dtype,
-                             int64_t expected, int32_t may_lack) {
+// receive first would cost a round trip into MPI per message). `may_lack`
+// (distlinalg/comm/p2p.py, _fills): 0, the message fills the template; k > 0,
+// it may also lack k elements (the flags of the primal message of a
+// differentiated exchange, which a source that does not differentiate does not
+// send); -1, it may be shorter (the caller gets the status, which counts it).
+// Messages with distlinalg's own tags (derivatives) and from MPI_PROC_NULL are
+// not checked.
+ffi::Error CheckMessageFills(const char* op, int rc, const MPI_Status& status,
+                             int source, int tag, const BlockType& block,
+                             TypeInfo ti, ffi::DataType dtype, int64_t expected,
+                             int32_t may_lack) {
   const int from = rc == MPI_SUCCESS ? status.MPI_SOURCE : source;
   const int with_tag = rc == MPI_SUCCESS ? status.MPI_TAG : tag;
   auto where = [&] {
-    return std::string("distlinalg: ") + op + ": the message from rank " + std::to_string(from) +
-           " (tag " + std::to_string(with_tag) + ")";
+    return std::string("distlinalg: ") + op + ": the message from rank " +
+           std::to_string(from) + " (tag " + std::to_string(with_tag) + ")";
   };
   const std::string rule =
-      ": a point-to-point message must fill its receive template exactly (same element count "
-      "on both sides, batch dimensions included; recv/sendrecv with return_status=True accept "
+      ": a point-to-point message must fill its receive template exactly (same "
+      "element count "
+      "on both sides, batch dimensions included; recv/sendrecv with "
+      "return_status=True accept "
       "a shorter message and report its size)";
   if (rc != MPI_SUCCESS) {
     int error_class = MPI_SUCCESS;
     MPI_Error_class(rc, &error_class);
     if (error_class != MPI_ERR_TRUNCATE) return MpiError(op, rc);
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      where() + " is longer than the receive template of " + std::to_string(expected) +
-                          " elements of " + DtypeName(dtype) +
-                          " (MPI truncated it; MPI does not report a truncated message's length)" + rule);
+                      where() + " is longer than the receive template of " +
+                          std::to_string(expected) + " elements of " +
+                          DtypeName(dtype) +
+                          " (MPI truncated it; MPI does not report a truncated "
+                          "message's length)" +
+                          rule);
   }
-  if (from == MPI_PROC_NULL || with_tag >= kUserTagLimit) return ffi::Error::Success();
+  if (from == MPI_PROC_NULL || with_tag >= kUserTagLimit)
+    return ffi::Error::Success();
   MPI_Count elements = 0;
   DL_MPI_CHECK(op, MPI_Get_elements_x(&status, block.type(), &elements));
   // MPI counts basic elements; float16 and bfloat16 are built from bytes.
-  const bool bytes = dtype == ffi::DataType::F16 || dtype == ffi::DataType::BF16;
-  const int64_t received = bytes ? static_cast<int64_t>(elements) / static_cast<int64_t>(ti.itemsize)
-                                 : static_cast<int64_t>(elements);
-  if (received == expected || (may_lack > 0 && received == expected - may_lack) ||
+  const bool bytes =
+      dtype == ffi::DataType::F16 || dtype == ffi::DataType::BF16;
+  const int64_t received =
+      bytes ? static_cast<int64_t>(elements) / static_cast<int64_t>(ti.itemsize)
+            : static_cast<int64_t>(elements);
+  if (received == expected ||
+      (may_lack > 0 && received == expected - may_lack) ||
       (may_lack < 0 && received <= expected))
     return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                    where() + " has " + std::to_string(received) + " elements of " + DtypeName(dtype) +
-                        ", the receive template " + std::to_string(expected) + rule);
+                    where() + " has " + std::to_string(received) +
+                        " elements of " + DtypeName(dtype) +
+                        ", the receive template " + std::to_string(expected) +
+                        rule);
 }
 
 // Early arrivals. A receive with MPI_ANY_TAG (and usually MPI_ANY_SOURCE)
@@ -132,7 +147,8 @@ ffi::Error TakeEarly(MPI_Comm comm, int source, int tag, void* y,
                         "distlinalg: a derivative message of " +
                             std::to_string(it->bytes.size()) +
                             " bytes does not fit the receive buffer of " +
-                            std::to_string(capacity) + " bytes (message truncated)");
+                            std::to_string(capacity) +
+                            " bytes (message truncated)");
     }
     *found = true;
     *received = it->bytes.size();
@@ -153,10 +169,12 @@ ffi::Error TakeEarly(MPI_Comm comm, int source, int tag, void* y,
 // refusal (two threads on one communicator) returns with the error. A
 // cancelled receive is cancelled in MPI too, so that no later message
 // lands in a buffer XLA has taken back.
-ffi::Error SendCancellable(const char* op, const void* data, const BlockType& block, int dest,
-                           int tag, MPI_Comm comm) {
+ffi::Error SendCancellable(const char* op, const void* data,
+                           const BlockType& block, int dest, int tag,
+                           MPI_Comm comm) {
   MPI_Request request;
-  DL_MPI_CHECK(op, MPI_Isend(data, block.count(), block.type(), dest, tag, comm, &request));
+  DL_MPI_CHECK(op, MPI_Isend(data, block.count(), block.type(), dest, tag, comm,
+                             &request));
   int rc = MPI_SUCCESS;
   DL_CHECK(WaitOrCancel(op, comm, 1, &request, nullptr, &rc));
   DL_MPI_CHECK(op, rc);
@@ -164,8 +182,8 @@ ffi::Error SendCancellable(const char* op, const void* data, const BlockType& bl
 }
 
 // Waits for a posted receive; `*rc` and `*status` as MPI_Recv's.
-ffi::Error AwaitReceive(const char* op, MPI_Comm comm, MPI_Request* request, MPI_Status* status,
-                        int* rc) {
+ffi::Error AwaitReceive(const char* op, MPI_Comm comm, MPI_Request* request,
+                        MPI_Status* status, int* rc) {
   ffi::Error waited = WaitOrCancel(op, comm, 1, request, status, rc);
   if (waited.failure()) {
     MPI_Cancel(request);
@@ -175,13 +193,16 @@ ffi::Error AwaitReceive(const char* op, MPI_Comm comm, MPI_Request* request, MPI
 }
 
 // MPI_Sendrecv, cancellably: `*rc` and `*status` are the receive's.
-ffi::Error SendrecvCancellable(const char* op, const void* send, const BlockType& sblock, int dest,
-                               int sendtag, void* recv, const BlockType& rblock, int source,
-                               int recvtag, MPI_Comm comm, MPI_Status* status, int* rc) {
+ffi::Error SendrecvCancellable(const char* op, const void* send,
+                               const BlockType& sblock, int dest, int sendtag,
+                               void* recv, const BlockType& rblock, int source,
+                               int recvtag, MPI_Comm comm, MPI_Status* status,
+                               int* rc) {
   MPI_Request requests[2];
-  DL_MPI_CHECK(op, MPI_Irecv(recv, rblock.count(), rblock.type(), source, recvtag, comm,
-                             &requests[0]));
-  *rc = MPI_Isend(send, sblock.count(), sblock.type(), dest, sendtag, comm, &requests[1]);
+  DL_MPI_CHECK(op, MPI_Irecv(recv, rblock.count(), rblock.type(), source,
+                             recvtag, comm, &requests[0]));
+  *rc = MPI_Isend(send, sblock.count(), sblock.type(), dest, sendtag, comm,
+                  &requests[1]);
   if (*rc != MPI_SUCCESS) {
     MPI_Cancel(&requests[0]);
     MPI_Wait(&requests[0], MPI_STATUS_IGNORE);
@@ -202,7 +223,8 @@ ffi::Error ProbeUserMessage(MPI_Comm comm, int source, MPI_Message* message,
   for (;;) {
     for (uint64_t spin = 1;; ++spin) {
       int found = 0;
-      DL_MPI_CHECK("recv", MPI_Improbe(source, MPI_ANY_TAG, comm, &found, message, status));
+      DL_MPI_CHECK("recv", MPI_Improbe(source, MPI_ANY_TAG, comm, &found,
+                                       message, status));
       if (found) break;
       if ((spin & 255) != 0) continue;
       std::this_thread::yield();
@@ -215,8 +237,8 @@ ffi::Error ProbeUserMessage(MPI_Comm comm, int source, MPI_Message* message,
                       std::vector<char>(static_cast<size_t>(bytes))};
     BlockType block;
     DL_MPI_CHECK("recv", block.Init(bytes, MPI_BYTE));
-    DL_MPI_CHECK("recv", MPI_Mrecv(kept.bytes.data(), block.count(), block.type(),
-                                   message, MPI_STATUS_IGNORE));
+    DL_MPI_CHECK("recv", MPI_Mrecv(kept.bytes.data(), block.count(),
+                                   block.type(), message, MPI_STATUS_IGNORE));
     EarlyArrivals().push_back(std::move(kept));
   }
 }
@@ -233,9 +255,10 @@ ffi::Error SendImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
   if (auto e = CheckTypes("send", ti, x.element_type()); e.failure()) return e;
   const int64_t n = x.element_count();
   CallRecord record("send", comm, x.element_type(), n, dest);
-  DL_CHECKED_CALL_IF(PairCheckable(site, tag, tag), record, Signature("send").Buffer(x).Root(dest).Flag(tag),
-                  CheckPair(dl_sig_, comm, MPI_PROC_NULL, dest, tag, tag,
-                            x.element_type(), n, x.element_type(), n));
+  DL_CHECKED_CALL_IF(PairCheckable(site, tag, tag), record,
+                     Signature("send").Buffer(x).Root(dest).Flag(tag),
+                     CheckPair(dl_sig_, comm, MPI_PROC_NULL, dest, tag, tag,
+                               x.element_type(), n, x.element_type(), n));
   BackByHugePages(x);
   BlockType block;
   DL_MPI_CHECK("send", block.Init(n, ti.type));
@@ -244,19 +267,18 @@ ffi::Error SendImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
 
 ffi::Error RecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::Result<ffi::Token>,
                     ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
-                    int32_t source, int32_t tag, ffi::RunId run,
-                    int64_t site) {
+                    int32_t source, int32_t tag, ffi::RunId run, int64_t site) {
   MpiLock lock;
   DL_CHECK(CheckNotFinalized("recv"));
   MPI_Comm comm = CommFromHandle(comm_handle);
   TypeInfo ti = MpiType(y->element_type());
-  if (auto e = CheckTypes("recv", ti, y->element_type()); e.failure())
-    return e;
+  if (auto e = CheckTypes("recv", ti, y->element_type()); e.failure()) return e;
   const int64_t n = y->element_count();
   CallRecord record("recv", comm, y->element_type(), n, source);
-  DL_CHECKED_CALL_IF(PairCheckable(site, tag, tag), record, Signature("recv").Buffer(y).Root(source).Flag(tag),
-                  CheckPair(dl_sig_, comm, source, MPI_PROC_NULL, tag, tag,
-                            y->element_type(), n, y->element_type(), n));
+  DL_CHECKED_CALL_IF(PairCheckable(site, tag, tag), record,
+                     Signature("recv").Buffer(y).Root(source).Flag(tag),
+                     CheckPair(dl_sig_, comm, source, MPI_PROC_NULL, tag, tag,
+                               y->element_type(), n, y->element_type(), n));
   bool early = false;
   size_t got = 0;
   DL_CHECK(TakeEarly(comm, source, tag, y->untyped_data(), templ.untyped_data(),
@@ -267,11 +289,12 @@ ffi::Error RecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::Result<ffi::Token>,
   DL_MPI_CHECK("recv", block.Init(n, ti.type));
   MPI_Status status;
   MPI_Request request;
-  DL_MPI_CHECK("recv", MPI_Irecv(y->untyped_data(), block.count(), block.type(), source, tag, comm,
-                                 &request));
+  DL_MPI_CHECK("recv", MPI_Irecv(y->untyped_data(), block.count(), block.type(),
+                                 source, tag, comm, &request));
   int rc = MPI_SUCCESS;
   DL_CHECK(AwaitReceive("recv", comm, &request, &status, &rc));
-  DL_CHECK(CheckMessageFills("recv", rc, status, source, tag, block, ti, y->element_type(), n, 0));
+  DL_CHECK(CheckMessageFills("recv", rc, status, source, tag, block, ti,
+                             y->element_type(), n, 0));
   return KeepTemplateBeyondMessage("recv", status, block, ti, templ, y);
 }
 
@@ -279,26 +302,25 @@ ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
                         ffi::AnyBuffer recvbuf, ffi::Result<ffi::Token>,
                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
                         int32_t source, int32_t dest, int32_t sendtag,
-                        int32_t recvtag, int32_t may_lack, ffi::RunId run, int64_t site) {
+                        int32_t recvtag, int32_t may_lack, ffi::RunId run,
+                        int64_t site) {
   MpiLock lock;
   DL_CHECK(CheckNotFinalized("sendrecv"));
   MPI_Comm comm = CommFromHandle(comm_handle);
   TypeInfo st = MpiType(sendbuf.element_type());
   TypeInfo rt = MpiType(recvbuf.element_type());
-  if (auto e = CheckTypes("sendrecv", st, sendbuf.element_type());
-      e.failure())
+  if (auto e = CheckTypes("sendrecv", st, sendbuf.element_type()); e.failure())
     return e;
-  if (auto e = CheckTypes("sendrecv", rt, recvbuf.element_type());
-      e.failure())
+  if (auto e = CheckTypes("sendrecv", rt, recvbuf.element_type()); e.failure())
     return e;
   const int64_t ns = sendbuf.element_count();
   const int64_t nr = recvbuf.element_count();
   CallRecord record("sendrecv", comm, sendbuf.element_type(), ns, source);
-  DL_CHECKED_CALL_IF(PairCheckable(site, sendtag, recvtag), record,
-                  Signature("sendrecv").Buffer(sendbuf).Root(source).Flag(dest),
-                  CheckPair(dl_sig_, comm, source, dest, sendtag, recvtag,
-                            sendbuf.element_type(), ns, recvbuf.element_type(),
-                            nr));
+  DL_CHECKED_CALL_IF(
+      PairCheckable(site, sendtag, recvtag), record,
+      Signature("sendrecv").Buffer(sendbuf).Root(source).Flag(dest),
+      CheckPair(dl_sig_, comm, source, dest, sendtag, recvtag,
+                sendbuf.element_type(), ns, recvbuf.element_type(), nr));
   BackByHugePages(sendbuf);
   BackByHugePages(*y);
   BlockType sblock, rblock;
@@ -306,18 +328,20 @@ ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
   DL_MPI_CHECK("sendrecv", rblock.Init(nr, rt.type));
   bool early = false;
   size_t got = 0;
-  DL_CHECK(TakeEarly(comm, source, recvtag, y->untyped_data(), recvbuf.untyped_data(),
-                     y->size_bytes(), &early, &got));
-  if (early) return SendCancellable("sendrecv", sendbuf.untyped_data(), sblock, dest, sendtag, comm);
+  DL_CHECK(TakeEarly(comm, source, recvtag, y->untyped_data(),
+                     recvbuf.untyped_data(), y->size_bytes(), &early, &got));
+  if (early)
+    return SendCancellable("sendrecv", sendbuf.untyped_data(), sblock, dest,
+                           sendtag, comm);
   MPI_Status status;
   int rc = MPI_SUCCESS;
-  DL_CHECK(SendrecvCancellable("sendrecv", sendbuf.untyped_data(), sblock, dest, sendtag,
-                               y->untyped_data(), rblock, source, recvtag, comm, &status, &rc));
-  DL_CHECK(CheckMessageFills("sendrecv", rc, status, source, recvtag, rblock, rt,
-                             recvbuf.element_type(), nr, may_lack));
+  DL_CHECK(SendrecvCancellable("sendrecv", sendbuf.untyped_data(), sblock, dest,
+                               sendtag, y->untyped_data(), rblock, source,
+                               recvtag, comm, &status, &rc));
+  DL_CHECK(CheckMessageFills("sendrecv", rc, status, source, recvtag, rblock,
+                             rt, recvbuf.element_type(), nr, may_lack));
   return KeepTemplateBeyondMessage("sendrecv", status, rblock, rt, recvbuf, y);
 }
-
 
 namespace {
 
@@ -327,10 +351,11 @@ namespace {
 constexpr int kSigTag = 32766, kExpectTag = 32765;
 
 // The receiving half of the every-call pair check for a receive from
-// MPI_ANY_SOURCE or with MPI_ANY_TAG, plus the sending half towards `dest`. Resolves `*source`
-// to the rank whose signature arrived first; the data are then received from
-// that rank, so the check and the message concern the same sender. Posted
-// in an order without waiting cycles (a ring of wildcard exchanges passes).
+// MPI_ANY_SOURCE or with MPI_ANY_TAG, plus the sending half towards `dest`.
+// Resolves `*source` to the rank whose signature arrived first; the data are
+// then received from that rank, so the check and the message concern the same
+// sender. Posted in an order without waiting cycles (a ring of wildcard
+// exchanges passes).
 ffi::Error CheckWildcardPair(MPI_Comm comm, int* source, int dest, int sendtag,
                              int recvtag, ffi::DataType send_dtype,
                              int64_t send_count, ffi::DataType recv_dtype,
@@ -338,16 +363,17 @@ ffi::Error CheckWildcardPair(MPI_Comm comm, int* source, int dest, int sendtag,
   int rank = 0;
   MPI_Comm_rank(comm, &rank);
   // Heap memory, as in CheckPair: never a stack buffer under a pending call.
-  auto* w = new int64_t[12]{static_cast<int64_t>(send_dtype), send_count, sendtag,
-                            0, 0, 0, 0, 0, 0,
-                            static_cast<int64_t>(send_dtype), send_count, sendtag};
+  auto* w = new int64_t[12]{
+      static_cast<int64_t>(send_dtype), send_count, sendtag, 0, 0, 0, 0, 0, 0,
+      static_cast<int64_t>(send_dtype), send_count, sendtag};
   int64_t* send_sig = w;
   int64_t* from_source = w + 3;
   int64_t* expect = w + 6;
   int64_t* from_dest = w + 9;
   MPI_Request requests[3];
-  DL_MPI_CHECK("signature check", MPI_Irecv(from_source, 3, MPI_INT64_T, *source,
-                                            kSigTag, comm, &requests[0]));
+  DL_MPI_CHECK("signature check",
+               MPI_Irecv(from_source, 3, MPI_INT64_T, *source, kSigTag, comm,
+                         &requests[0]));
   DL_MPI_CHECK("signature check", MPI_Isend(send_sig, 3, MPI_INT64_T, dest,
                                             kSigTag, comm, &requests[1]));
   DL_MPI_CHECK("signature check", MPI_Irecv(from_dest, 3, MPI_INT64_T, dest,
@@ -364,7 +390,8 @@ ffi::Error CheckWildcardPair(MPI_Comm comm, int* source, int dest, int sendtag,
   DL_MPI_CHECK("signature check", MPI_Isend(expect, 3, MPI_INT64_T, *source,
                                             kExpectTag, comm, &reply));
   DL_MPI_CHECK("signature check", MPI_Wait(&reply, MPI_STATUS_IGNORE));
-  DL_MPI_CHECK("signature check", MPI_Waitall(2, requests + 1, MPI_STATUSES_IGNORE));
+  DL_MPI_CHECK("signature check",
+               MPI_Waitall(2, requests + 1, MPI_STATUSES_IGNORE));
   Text msg;
   if (receives && (from_source[0] != expect[0] || from_source[1] > expect[1] ||
                    from_source[2] != expect[2])) {
@@ -385,24 +412,28 @@ ffi::Error CheckWildcardPair(MPI_Comm comm, int* source, int dest, int sendtag,
   }
   delete[] w;
   if (msg.str().empty()) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                    "distlinalg: point-to-point mismatch (wildcard receive):" +
-                        msg.str());
+  return ffi::Error(
+      ffi::ErrorCode::kInvalidArgument,
+      "distlinalg: point-to-point mismatch (wildcard receive):" + msg.str());
 }
 
 ffi::Error CheckRouteValue(MPI_Comm comm, int rank, int tag, bool rank_wildcard,
                            bool tag_wildcard) {
   int size = 0;
   MPI_Comm_size(comm, &size);
-  const bool rank_ok = rank == MPI_PROC_NULL || (rank_wildcard && rank == MPI_ANY_SOURCE) ||
+  const bool rank_ok = rank == MPI_PROC_NULL ||
+                       (rank_wildcard && rank == MPI_ANY_SOURCE) ||
                        (rank >= 0 && rank < size);
   const bool tag_ok = (tag_wildcard && tag == MPI_ANY_TAG) || tag >= 0;
   if (rank_ok && tag_ok) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                     "distlinalg: sendrecv_status: a route computed at run time "
-                    "names rank " + std::to_string(rank) + " and tag " +
-                        std::to_string(tag) + ", not a valid (rank, tag) of a "
-                        "communicator of size " + std::to_string(size));
+                    "names rank " +
+                        std::to_string(rank) + " and tag " +
+                        std::to_string(tag) +
+                        ", not a valid (rank, tag) of a "
+                        "communicator of size " +
+                        std::to_string(size));
 }
 
 }  // namespace
@@ -419,8 +450,8 @@ ffi::Error SendrecvStatusImpl(ffi::Token, ffi::AnyBuffer sendbuf,
                               ffi::Result<ffi::AnyBuffer> y,
                               ffi::Result<ffi::AnyBuffer> status_out,
                               int64_t comm_handle, int32_t source, int32_t dest,
-                              int32_t sendtag, int32_t recvtag, int32_t dynamic, int32_t may_lack,
-                              ffi::RunId run, int64_t site) {
+                              int32_t sendtag, int32_t recvtag, int32_t dynamic,
+                              int32_t may_lack, ffi::RunId run, int64_t site) {
   MpiLock lock;
   DL_CHECK(CheckNotFinalized("sendrecv"));
   MPI_Comm comm = CommFromHandle(comm_handle);
@@ -453,16 +484,18 @@ ffi::Error SendrecvStatusImpl(ffi::Token, ffi::AnyBuffer sendbuf,
   const bool checkable =
       PairCheckable(site, sendtag, recvtag == MPI_ANY_TAG ? 0 : recvtag);
   if (wildcard) {
-    DL_CHECKED_CALL_IF(checkable, record,
-                       Signature("sendrecv").Buffer(sendbuf).Root(source).Flag(dest),
-                       CheckWildcardPair(comm, &source, dest, sendtag, recvtag,
-                                         sendbuf.element_type(), ns,
-                                         recvbuf.element_type(), nr));
+    DL_CHECKED_CALL_IF(
+        checkable, record,
+        Signature("sendrecv").Buffer(sendbuf).Root(source).Flag(dest),
+        CheckWildcardPair(comm, &source, dest, sendtag, recvtag,
+                          sendbuf.element_type(), ns, recvbuf.element_type(),
+                          nr));
   } else {
-    DL_CHECKED_CALL_IF(checkable, record,
-                       Signature("sendrecv").Buffer(sendbuf).Root(source).Flag(dest),
-                       CheckPair(dl_sig_, comm, source, dest, sendtag, recvtag,
-                                 sendbuf.element_type(), ns, recvbuf.element_type(), nr));
+    DL_CHECKED_CALL_IF(
+        checkable, record,
+        Signature("sendrecv").Buffer(sendbuf).Root(source).Flag(dest),
+        CheckPair(dl_sig_, comm, source, dest, sendtag, recvtag,
+                  sendbuf.element_type(), ns, recvbuf.element_type(), nr));
   }
   BackByHugePages(sendbuf);
   BackByHugePages(*y);
@@ -475,10 +508,11 @@ ffi::Error SendrecvStatusImpl(ffi::Token, ffi::AnyBuffer sendbuf,
   int32_t report[3] = {MPI_PROC_NULL, MPI_ANY_TAG, 0};
   bool early = false;
   size_t got = 0;
-  DL_CHECK(TakeEarly(comm, source, recvtag, y->untyped_data(), recvbuf.untyped_data(),
-                     y->size_bytes(), &early, &got));
+  DL_CHECK(TakeEarly(comm, source, recvtag, y->untyped_data(),
+                     recvbuf.untyped_data(), y->size_bytes(), &early, &got));
   if (early) {
-    DL_CHECK(SendCancellable("sendrecv", sendbuf.untyped_data(), sblock, dest, sendtag, comm));
+    DL_CHECK(SendCancellable("sendrecv", sendbuf.untyped_data(), sblock, dest,
+                             sendtag, comm));
     report[0] = source;
     report[1] = recvtag;
     items = static_cast<MPI_Count>(got / rt.itemsize);
@@ -489,8 +523,9 @@ ffi::Error SendrecvStatusImpl(ffi::Token, ffi::AnyBuffer sendbuf,
       // The send goes out first (a ring of wildcard exchanges must not wait
       // on each other), then the first user message is matched.
       MPI_Request send;
-      DL_MPI_CHECK("sendrecv", MPI_Isend(sendbuf.untyped_data(), sblock.count(),
-                                         sblock.type(), dest, sendtag, comm, &send));
+      DL_MPI_CHECK("sendrecv",
+                   MPI_Isend(sendbuf.untyped_data(), sblock.count(),
+                             sblock.type(), dest, sendtag, comm, &send));
       MPI_Message message;
       ffi::Error probed = ProbeUserMessage(comm, source, &message, &status);
       if (probed.failure()) {
@@ -498,19 +533,23 @@ ffi::Error SendrecvStatusImpl(ffi::Token, ffi::AnyBuffer sendbuf,
         MPI_Wait(&send, MPI_STATUS_IGNORE);
         return probed;
       }
-      rc = MPI_Mrecv(y->untyped_data(), rblock.count(), rblock.type(), &message, &status);
+      rc = MPI_Mrecv(y->untyped_data(), rblock.count(), rblock.type(), &message,
+                     &status);
       int sent = MPI_SUCCESS;
       DL_CHECK(WaitOrCancel("sendrecv", comm, 1, &send, nullptr, &sent));
       DL_MPI_CHECK("sendrecv", sent);
     } else {
-      DL_CHECK(SendrecvCancellable("sendrecv", sendbuf.untyped_data(), sblock, dest, sendtag,
-                                   y->untyped_data(), rblock, source, recvtag, comm, &status, &rc));
+      DL_CHECK(SendrecvCancellable("sendrecv", sendbuf.untyped_data(), sblock,
+                                   dest, sendtag, y->untyped_data(), rblock,
+                                   source, recvtag, comm, &status, &rc));
     }
-    DL_CHECK(CheckMessageFills("sendrecv", rc, status, source, recvtag, rblock, rt, dtype, nr,
-                               may_lack));
-    DL_CHECK(KeepTemplateBeyondMessage("sendrecv", status, rblock, rt, recvbuf, y));
+    DL_CHECK(CheckMessageFills("sendrecv", rc, status, source, recvtag, rblock,
+                               rt, dtype, nr, may_lack));
+    DL_CHECK(
+        KeepTemplateBeyondMessage("sendrecv", status, rblock, rt, recvbuf, y));
     MPI_Count elements = 0;
-    DL_MPI_CHECK("sendrecv", MPI_Get_elements_x(&status, rblock.type(), &elements));
+    DL_MPI_CHECK("sendrecv",
+                 MPI_Get_elements_x(&status, rblock.type(), &elements));
     // Basic elements of float16/bfloat16 are bytes (their types are built
     // from bytes); of every other dtype, items.
     items = elements == MPI_UNDEFINED ? -1 : (half ? elements / 2 : elements);
@@ -528,29 +567,61 @@ ffi::Error SendrecvStatusImpl(ffi::Token, ffi::AnyBuffer sendbuf,
 namespace dl = distlinalg;
 namespace ffi = xla::ffi;
 
-#define DL_SEND(b)                                                  \
-  b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Ret<ffi::Token>()          \
-      .Attr<int64_t>("comm").Attr<int32_t>("dest").Attr<int32_t>("tag")  \
-      .Ctx<ffi::RunId>().Attr<int64_t>("site")
-#define DL_RECV(b)                                                      \
-  b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Ret<ffi::Token>()              \
-      .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm").Attr<int32_t>("source") \
-      .Attr<int32_t>("tag").Ctx<ffi::RunId>().Attr<int64_t>("site")
-#define DL_SENDRECV(b)                                                     \
-  b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()           \
-      .Ret<ffi::Token>().Ret<ffi::AnyBuffer>().Attr<int64_t>("comm")        \
-      .Attr<int32_t>("source").Attr<int32_t>("dest").Attr<int32_t>("sendtag") \
-      .Attr<int32_t>("recvtag").Attr<int32_t>("may_lack").Ctx<ffi::RunId>().Attr<int64_t>("site")
+#define DL_SEND(b)           \
+  b.Arg<ffi::Token>()        \
+      .Arg<ffi::AnyBuffer>() \
+      .Ret<ffi::Token>()     \
+      .Attr<int64_t>("comm") \
+      .Attr<int32_t>("dest") \
+      .Attr<int32_t>("tag")  \
+      .Ctx<ffi::RunId>()     \
+      .Attr<int64_t>("site")
+#define DL_RECV(b)             \
+  b.Arg<ffi::Token>()          \
+      .Arg<ffi::AnyBuffer>()   \
+      .Ret<ffi::Token>()       \
+      .Ret<ffi::AnyBuffer>()   \
+      .Attr<int64_t>("comm")   \
+      .Attr<int32_t>("source") \
+      .Attr<int32_t>("tag")    \
+      .Ctx<ffi::RunId>()       \
+      .Attr<int64_t>("site")
+#define DL_SENDRECV(b)           \
+  b.Arg<ffi::Token>()            \
+      .Arg<ffi::AnyBuffer>()     \
+      .Arg<ffi::AnyBuffer>()     \
+      .Ret<ffi::Token>()         \
+      .Ret<ffi::AnyBuffer>()     \
+      .Attr<int64_t>("comm")     \
+      .Attr<int32_t>("source")   \
+      .Attr<int32_t>("dest")     \
+      .Attr<int32_t>("sendtag")  \
+      .Attr<int32_t>("recvtag")  \
+      .Attr<int32_t>("may_lack") \
+      .Ctx<ffi::RunId>()         \
+      .Attr<int64_t>("site")
 
 DL_DEFINE_HANDLERS(DlSend, dl::SendImpl, DL_SEND);
 DL_DEFINE_HANDLERS(DlRecv, dl::RecvImpl, DL_RECV);
 DL_DEFINE_HANDLERS(DlSendrecv, dl::SendrecvImpl, DL_SENDRECV);
 
-#define DL_SENDRECV_STATUS(b)                                                \
-  b.Arg<ffi::Token>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()             \
-      .Arg<ffi::AnyBuffer>().Ret<ffi::Token>().Ret<ffi::AnyBuffer>()          \
-      .Ret<ffi::AnyBuffer>().Attr<int64_t>("comm").Attr<int32_t>("source")    \
-      .Attr<int32_t>("dest").Attr<int32_t>("sendtag").Attr<int32_t>("recvtag") \
-      .Attr<int32_t>("dynamic").Attr<int32_t>("may_lack").Ctx<ffi::RunId>().Attr<int64_t>("site")
+#define DL_SENDRECV_STATUS(b)    \
+  b.Arg<ffi::Token>()            \
+      .Arg<ffi::AnyBuffer>()     \
+      .Arg<ffi::AnyBuffer>()     \
+      .Arg<ffi::AnyBuffer>()     \
+      .Ret<ffi::Token>()         \
+      .Ret<ffi::AnyBuffer>()     \
+      .Ret<ffi::AnyBuffer>()     \
+      .Attr<int64_t>("comm")     \
+      .Attr<int32_t>("source")   \
+      .Attr<int32_t>("dest")     \
+      .Attr<int32_t>("sendtag")  \
+      .Attr<int32_t>("recvtag")  \
+      .Attr<int32_t>("dynamic")  \
+      .Attr<int32_t>("may_lack") \
+      .Ctx<ffi::RunId>()         \
+      .Attr<int64_t>("site")
 
-DL_DEFINE_HANDLERS(DlSendrecvStatus, dl::SendrecvStatusImpl, DL_SENDRECV_STATUS);
+DL_DEFINE_HANDLERS(DlSendrecvStatus, dl::SendrecvStatusImpl,
+                   DL_SENDRECV_STATUS);

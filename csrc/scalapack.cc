@@ -63,14 +63,13 @@ using Gesv = void(const int* n, const int* nrhs, void* a, const int* ia,
 using Syevd = void(const char* jobz, const char* uplo, const int* n, void* a,
                    const int* ia, const int* ja, const int* desca, void* w,
                    void* z, const int* iz, const int* jz, const int* descz,
-                   void* work, const int* lwork, int* iwork,
-                   const int* liwork, int* info);
+                   void* work, const int* lwork, int* iwork, const int* liwork,
+                   int* info);
 using Heevd = void(const char* jobz, const char* uplo, const int* n, void* a,
                    const int* ia, const int* ja, const int* desca, void* w,
                    void* z, const int* iz, const int* jz, const int* descz,
-                   void* work, const int* lwork, void* rwork,
-                   const int* lrwork, int* iwork, const int* liwork,
-                   int* info);
+                   void* work, const int* lwork, void* rwork, const int* lrwork,
+                   int* iwork, const int* liwork, int* info);
 
 // Precisions by index: s, d, c, z.
 enum Precision : int { kS = 0, kD = 1, kC = 2, kZ = 3 };
@@ -117,7 +116,8 @@ void* Find(const Api& api, const std::string& name) {
 }
 
 template <typename F>
-bool Bind(const Api& api, const std::string& name, F** out, std::string* missing) {
+bool Bind(const Api& api, const std::string& name, F** out,
+          std::string* missing) {
   *out = reinterpret_cast<F*>(Find(api, name));
   if (*out == nullptr) *missing += (missing->empty() ? "" : ", ") + name;
   return *out != nullptr;
@@ -129,7 +129,8 @@ std::string PromoteMpi() {
   Dl_info info;
   if (dladdr(reinterpret_cast<void*>(&MPI_Comm_rank), &info) == 0 ||
       info.dli_fname == nullptr) {
-    return "could not find the MPI library's file (dladdr of MPI_Comm_rank failed)";
+    return "could not find the MPI library's file (dladdr of MPI_Comm_rank "
+           "failed)";
   }
   if (dlopen(info.dli_fname, RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD) == nullptr) {
     const char* e = dlerror();
@@ -160,7 +161,8 @@ int StateKeyval();
 int DeleteState(MPI_Comm, int, void* value, void*) {
   auto* state = static_cast<CommState*>(value);
   const Api& api = TheApi();
-  std::lock_guard<std::mutex> lock(CallMutex());  // (BLACS: one thread at a time)
+  std::lock_guard<std::mutex> lock(
+      CallMutex());  // (BLACS: one thread at a time)
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (!finalized && api.loaded) {
@@ -186,7 +188,8 @@ int StateKeyval() {
 ffi::Error StateOf(MPI_Comm comm, CommState** out) {
   int flag = 0;
   void* value = nullptr;
-  DL_MPI_CHECK("scalapack (attribute)", MPI_Comm_get_attr(comm, StateKeyval(), &value, &flag));
+  DL_MPI_CHECK("scalapack (attribute)",
+               MPI_Comm_get_attr(comm, StateKeyval(), &value, &flag));
   if (flag) {
     *out = static_cast<CommState*>(value);
     return ffi::Error::Success();
@@ -195,7 +198,8 @@ ffi::Error StateOf(MPI_Comm comm, CommState** out) {
   DL_MPI_CHECK("scalapack (MPI_Comm_dup)", MPI_Comm_dup(comm, &state->dup));
   MPI_Comm_set_errhandler(state->dup, MPI_ERRORS_RETURN);
   state->system = TheApi().sys2blacs(state->dup);
-  DL_MPI_CHECK("scalapack (attribute)", MPI_Comm_set_attr(comm, StateKeyval(), state.get()));
+  DL_MPI_CHECK("scalapack (attribute)",
+               MPI_Comm_set_attr(comm, StateKeyval(), state.get()));
   *out = state.release();
   return ffi::Error::Success();
 }
@@ -212,11 +216,13 @@ ffi::Error GridOf(CommState* state, int nprow, int npcol, const Grid** out) {
     TheApi().gridinfo(g.ctxt, &rows, &cols, &g.myrow, &g.mycol);
     int rank = 0;
     MPI_Comm_rank(state->dup, &rank);
-    if (rows != nprow || cols != npcol || g.myrow != rank / npcol || g.mycol != rank % npcol) {
+    if (rows != nprow || cols != npcol || g.myrow != rank / npcol ||
+        g.mycol != rank % npcol) {
       Text msg;
-      msg << "distlinalg: the BLACS grid " << nprow << "x" << npcol << " came out as " << rows
-          << "x" << cols << " with this rank (" << rank << ") at (" << g.myrow << ", "
-          << g.mycol << "), not in row-major order";
+      msg << "distlinalg: the BLACS grid " << nprow << "x" << npcol
+          << " came out as " << rows << "x" << cols << " with this rank ("
+          << rank << ") at (" << g.myrow << ", " << g.mycol
+          << "), not in row-major order";
       return ffi::Error(ffi::ErrorCode::kInternal, msg.str());
     }
     g.nprow = nprow;
@@ -229,7 +235,9 @@ ffi::Error GridOf(CommState* state, int nprow, int npcol, const Grid** out) {
 
 // ---------------------------------------------------------------------------
 // Block-cyclic index arithmetic (block nb, source process 0).
-inline int64_t Owner(int64_t i, int64_t nb, int nprocs) { return (i / nb) % nprocs; }
+inline int64_t Owner(int64_t i, int64_t nb, int nprocs) {
+  return (i / nb) % nprocs;
+}
 inline int64_t Local(int64_t i, int64_t nb, int nprocs) {
   return (i / (nb * nprocs)) * nb + i % nb;
 }
@@ -255,16 +263,23 @@ struct Layout {
   const Grid* grid = nullptr;
   int rank = 0;
   int64_t mloc = 0, nloc = 0, lld = 1;
-  std::vector<std::vector<int64_t>> cols_of;  // global columns of each process column
+  std::vector<std::vector<int64_t>>
+      cols_of;  // global columns of each process column
 
-  Layout(int64_t rows_, int64_t cols_, int64_t nb_, const std::vector<int64_t>& starts_,
-         const Grid& grid_, int rank_)
-      : rows(rows_), cols(cols_), nb(nb_), starts(&starts_), grid(&grid_), rank(rank_) {
+  Layout(int64_t rows_, int64_t cols_, int64_t nb_,
+         const std::vector<int64_t>& starts_, const Grid& grid_, int rank_)
+      : rows(rows_),
+        cols(cols_),
+        nb(nb_),
+        starts(&starts_),
+        grid(&grid_),
+        rank(rank_) {
     mloc = Numroc(rows, nb, grid->myrow, grid->nprow);
     nloc = Numroc(cols, nb, grid->mycol, grid->npcol);
     lld = std::max<int64_t>(1, mloc);
     cols_of.resize(grid->npcol);
-    for (int64_t j = 0; j < cols; ++j) cols_of[Owner(j, nb, grid->npcol)].push_back(j);
+    for (int64_t j = 0; j < cols; ++j)
+      cols_of[Owner(j, nb, grid->npcol)].push_back(j);
   }
   int nprocs() const { return grid->nprow * grid->npcol; }
   int64_t first(int r) const { return (*starts)[r]; }
@@ -286,7 +301,8 @@ struct Layout {
 // next exchange or inside ScaLAPACK.
 ffi::Error Together(MPI_Comm dup, bool bad, const char* message) {
   int any = bad;
-  DL_MPI_CHECK("scalapack (agreement)", MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_MAX, dup));
+  DL_MPI_CHECK("scalapack (agreement)",
+               MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_MAX, dup));
   if (!any) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     std::string("distlinalg: ScaLAPACK engine: ") + message);
@@ -294,7 +310,8 @@ ffi::Error Together(MPI_Comm dup, bool bad, const char* message) {
 
 // Element counts and offsets of an exchange as MPI takes them (int); false
 // when they do not fit.
-bool IntCounts(const std::vector<int64_t>& counts, std::vector<int>* c, std::vector<int>* d) {
+bool IntCounts(const std::vector<int64_t>& counts, std::vector<int>* c,
+               std::vector<int>* d) {
   c->resize(counts.size());
   d->resize(counts.size());
   int64_t offset = 0;
@@ -309,19 +326,25 @@ bool IntCounts(const std::vector<int64_t>& counts, std::vector<int>* c, std::vec
 
 ffi::Error Exchange(MPI_Comm user_comm, MPI_Comm dup, const void* send,
                     const std::vector<int64_t>& send_counts, void* recv,
-                    const std::vector<int64_t>& recv_counts, MPI_Datatype type) {
+                    const std::vector<int64_t>& recv_counts,
+                    MPI_Datatype type) {
   std::vector<int> sc, sd, rc, rd;
-  const bool fits = IntCounts(send_counts, &sc, &sd) && IntCounts(recv_counts, &rc, &rd);
-  DL_CHECK(Together(dup, !fits, "the redistribution exceeds 2^31 elements on some rank; use more ranks"));
+  const bool fits =
+      IntCounts(send_counts, &sc, &sd) && IntCounts(recv_counts, &rc, &rd);
+  DL_CHECK(Together(
+      dup, !fits,
+      "the redistribution exceeds 2^31 elements on some rank; use more ranks"));
   int code = MPI_SUCCESS;
   if (!GlobalSettings().cancellable_collectives) {
-    code = MPI_Alltoallv(send, sc.data(), sd.data(), type, recv, rc.data(), rd.data(), type, dup);
+    code = MPI_Alltoallv(send, sc.data(), sd.data(), type, recv, rc.data(),
+                         rd.data(), type, dup);
   } else {
     MPI_Request request = MPI_REQUEST_NULL;
-    code = MPI_Ialltoallv(send, sc.data(), sd.data(), type, recv, rc.data(), rd.data(), type,
-                          dup, &request);
+    code = MPI_Ialltoallv(send, sc.data(), sd.data(), type, recv, rc.data(),
+                          rd.data(), type, dup, &request);
     if (code == MPI_SUCCESS) {
-      DL_CHECK(WaitOrCancel("scalapack (redistribution)", user_comm, 1, &request, nullptr, &code));
+      DL_CHECK(WaitOrCancel("scalapack (redistribution)", user_comm, 1,
+                            &request, nullptr, &code));
     }
   }
   if (code != MPI_SUCCESS) return MpiError("scalapack (redistribution)", code);
@@ -333,8 +356,8 @@ ffi::Error Exchange(MPI_Comm user_comm, MPI_Comm dup, const void* send,
 // process, the elements it owns in row order, columns ascending within a
 // row; the receiver walks the sender's rows in the same order.
 template <typename T>
-ffi::Error RowsToCyclic(const Layout& L, const T* rows_data, T* local, MPI_Comm user_comm,
-                        MPI_Comm dup, MPI_Datatype type) {
+ffi::Error RowsToCyclic(const Layout& L, const T* rows_data, T* local,
+                        MPI_Comm user_comm, MPI_Comm dup, MPI_Datatype type) {
   const Grid& g = *L.grid;
   const int P = L.nprocs();
   const int64_t r0 = L.first(L.rank), r1 = L.last(L.rank);
@@ -342,7 +365,8 @@ ffi::Error RowsToCyclic(const Layout& L, const T* rows_data, T* local, MPI_Comm 
   for (int64_t i = r0; i < r1; ++i) ++rows_on[Owner(i, L.nb, g.nprow)];
   std::vector<int64_t> send_counts(P), offsets(P + 1, 0);
   for (int q = 0; q < P; ++q) {
-    send_counts[q] = rows_on[q / g.npcol] * static_cast<int64_t>(L.cols_of[q % g.npcol].size());
+    send_counts[q] = rows_on[q / g.npcol] *
+                     static_cast<int64_t>(L.cols_of[q % g.npcol].size());
     offsets[q + 1] = offsets[q] + send_counts[q];
   }
   std::vector<T> send(std::max<int64_t>(1, offsets[P]));
@@ -359,18 +383,21 @@ ffi::Error RowsToCyclic(const Layout& L, const T* rows_data, T* local, MPI_Comm 
   int64_t total = 0;
   for (int s = 0; s < P; ++s) {
     int64_t n = 0;
-    for (int64_t i = L.first(s); i < L.last(s); ++i) n += Owner(i, L.nb, g.nprow) == g.myrow;
+    for (int64_t i = L.first(s); i < L.last(s); ++i)
+      n += Owner(i, L.nb, g.nprow) == g.myrow;
     recv_counts[s] = n * my_cols;
     total += recv_counts[s];
   }
   std::vector<T> recv(std::max<int64_t>(1, total));
-  DL_CHECK(Exchange(user_comm, dup, send.data(), send_counts, recv.data(), recv_counts, type));
+  DL_CHECK(Exchange(user_comm, dup, send.data(), send_counts, recv.data(),
+                    recv_counts, type));
   int64_t at = 0;
   for (int s = 0; s < P; ++s) {
     for (int64_t i = L.first(s); i < L.last(s); ++i) {
       if (Owner(i, L.nb, g.nprow) != g.myrow) continue;
       T* dst = local + Local(i, L.nb, g.nprow);
-      for (int64_t j : L.cols_of[g.mycol]) dst[Local(j, L.nb, g.npcol) * L.lld] = recv[at++];
+      for (int64_t j : L.cols_of[g.mycol])
+        dst[Local(j, L.nb, g.npcol) * L.lld] = recv[at++];
     }
   }
   return ffi::Error::Success();
@@ -378,8 +405,8 @@ ffi::Error RowsToCyclic(const Layout& L, const T* rows_data, T* local, MPI_Comm 
 
 // The inverse: block-cyclic piece -> this rank's rows (row-major).
 template <typename T>
-ffi::Error CyclicToRows(const Layout& L, const T* local, T* rows_data, MPI_Comm user_comm,
-                        MPI_Comm dup, MPI_Datatype type) {
+ffi::Error CyclicToRows(const Layout& L, const T* local, T* rows_data,
+                        MPI_Comm user_comm, MPI_Comm dup, MPI_Datatype type) {
   const Grid& g = *L.grid;
   const int P = L.nprocs();
   const int64_t my_cols = static_cast<int64_t>(L.cols_of[g.mycol].size());
@@ -387,7 +414,8 @@ ffi::Error CyclicToRows(const Layout& L, const T* local, T* rows_data, MPI_Comm 
   int64_t total = 0;
   for (int s = 0; s < P; ++s) {
     int64_t n = 0;
-    for (int64_t i = L.first(s); i < L.last(s); ++i) n += Owner(i, L.nb, g.nprow) == g.myrow;
+    for (int64_t i = L.first(s); i < L.last(s); ++i)
+      n += Owner(i, L.nb, g.nprow) == g.myrow;
     send_counts[s] = n * my_cols;
     total += send_counts[s];
   }
@@ -397,7 +425,8 @@ ffi::Error CyclicToRows(const Layout& L, const T* local, T* rows_data, MPI_Comm 
     for (int64_t i = L.first(s); i < L.last(s); ++i) {
       if (Owner(i, L.nb, g.nprow) != g.myrow) continue;
       const T* src = local + Local(i, L.nb, g.nprow);
-      for (int64_t j : L.cols_of[g.mycol]) send[at++] = src[Local(j, L.nb, g.npcol) * L.lld];
+      for (int64_t j : L.cols_of[g.mycol])
+        send[at++] = src[Local(j, L.nb, g.npcol) * L.lld];
     }
   }
   const int64_t r0 = L.first(L.rank), r1 = L.last(L.rank);
@@ -405,11 +434,13 @@ ffi::Error CyclicToRows(const Layout& L, const T* local, T* rows_data, MPI_Comm 
   for (int64_t i = r0; i < r1; ++i) ++rows_on[Owner(i, L.nb, g.nprow)];
   std::vector<int64_t> recv_counts(P), offsets(P + 1, 0);
   for (int q = 0; q < P; ++q) {
-    recv_counts[q] = rows_on[q / g.npcol] * static_cast<int64_t>(L.cols_of[q % g.npcol].size());
+    recv_counts[q] = rows_on[q / g.npcol] *
+                     static_cast<int64_t>(L.cols_of[q % g.npcol].size());
     offsets[q + 1] = offsets[q] + recv_counts[q];
   }
   std::vector<T> recv(std::max<int64_t>(1, offsets[P]));
-  DL_CHECK(Exchange(user_comm, dup, send.data(), send_counts, recv.data(), recv_counts, type));
+  DL_CHECK(Exchange(user_comm, dup, send.data(), send_counts, recv.data(),
+                    recv_counts, type));
   for (int64_t i = r0; i < r1; ++i) {
     T* row = rows_data + (i - r0) * L.cols;
     const int pr = static_cast<int>(Owner(i, L.nb, g.nprow));
@@ -443,7 +474,8 @@ void FillNan(T* p, int64_t n) {
 }
 
 ffi::Error Invalid(const std::string& what) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "distlinalg: ScaLAPACK engine: " + what);
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    "distlinalg: ScaLAPACK engine: " + what);
 }
 
 // INFO of every rank -> one value: the most negative when any rank reports a
@@ -451,7 +483,8 @@ ffi::Error Invalid(const std::string& what) {
 // first failing pivot / leading minor / eigenvalue, as ScaLAPACK reports it).
 ffi::Error AgreeOnInfo(MPI_Comm dup, int* info) {
   int both[2] = {*info, -*info};
-  DL_MPI_CHECK("scalapack (info)", MPI_Allreduce(MPI_IN_PLACE, both, 2, MPI_INT, MPI_MAX, dup));
+  DL_MPI_CHECK("scalapack (info)",
+               MPI_Allreduce(MPI_IN_PLACE, both, 2, MPI_INT, MPI_MAX, dup));
   const int largest = both[0], smallest = -both[1];
   *info = smallest < 0 ? smallest : largest;
   return ffi::Error::Success();
@@ -466,20 +499,23 @@ struct Call {
   std::vector<int64_t> starts;
 };
 
-ffi::Error Prepare(int64_t comm_handle, ffi::Span<const int64_t> sizes, int64_t nprow,
-                   int64_t npcol, int64_t nb, int64_t my_rows, int64_t n, Call* call) {
+ffi::Error Prepare(int64_t comm_handle, ffi::Span<const int64_t> sizes,
+                   int64_t nprow, int64_t npcol, int64_t nb, int64_t my_rows,
+                   int64_t n, Call* call) {
   const Api& api = TheApi();
   if (!api.loaded) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "distlinalg: the ScaLAPACK engine is not loaded (install the `mkl` "
-                      "package: `make scalapack`); " + api.error);
+    return ffi::Error(
+        ffi::ErrorCode::kFailedPrecondition,
+        "distlinalg: the ScaLAPACK engine is not loaded (install the `mkl` "
+        "package: `make scalapack`); " +
+            api.error);
   }
   call->comm = CommFromHandle(comm_handle);
   MPI_Comm_rank(call->comm, &call->rank);
   MPI_Comm_size(call->comm, &call->size);
   if (static_cast<int64_t>(sizes.size()) != call->size) {
-    return Invalid("sizes has " + std::to_string(sizes.size()) + " entries for " +
-                   std::to_string(call->size) + " ranks");
+    return Invalid("sizes has " + std::to_string(sizes.size()) +
+                   " entries for " + std::to_string(call->size) + " ranks");
   }
   call->starts.assign(call->size + 1, 0);
   for (int r = 0; r < call->size; ++r) {
@@ -487,40 +523,52 @@ ffi::Error Prepare(int64_t comm_handle, ffi::Span<const int64_t> sizes, int64_t 
     call->starts[r + 1] = call->starts[r] + sizes[r];
   }
   if (call->starts[call->size] != n) {
-    return Invalid("the row counts add up to " + std::to_string(call->starts[call->size]) +
+    return Invalid("the row counts add up to " +
+                   std::to_string(call->starts[call->size]) +
                    ", not N = " + std::to_string(n));
   }
   if (sizes[call->rank] != my_rows) {
-    return Invalid("this rank holds " + std::to_string(my_rows) + " rows, sizes says " +
-                   std::to_string(sizes[call->rank]));
+    return Invalid("this rank holds " + std::to_string(my_rows) +
+                   " rows, sizes says " + std::to_string(sizes[call->rank]));
   }
   if (nprow < 1 || npcol < 1 || nprow * npcol != call->size) {
-    return Invalid("grid " + std::to_string(nprow) + "x" + std::to_string(npcol) +
-                   " does not have one process per rank (" + std::to_string(call->size) + ")");
+    return Invalid("grid " + std::to_string(nprow) + "x" +
+                   std::to_string(npcol) +
+                   " does not have one process per rank (" +
+                   std::to_string(call->size) + ")");
   }
   if (nb < 1) return Invalid("block size must be positive");
   if (n > std::numeric_limits<int>::max()) return Invalid("N exceeds 2^31 - 1");
   DL_CHECK(StateOf(call->comm, &call->state));
-  DL_CHECK(GridOf(call->state, static_cast<int>(nprow), static_cast<int>(npcol), &call->grid));
+  DL_CHECK(GridOf(call->state, static_cast<int>(nprow), static_cast<int>(npcol),
+                  &call->grid));
   call->n = n;
   return ffi::Error::Success();
 }
 
 int PrecisionOf(ffi::DataType t) {
   switch (t) {
-    case ffi::DataType::F32: return kS;
-    case ffi::DataType::F64: return kD;
-    case ffi::DataType::C64: return kC;
-    case ffi::DataType::C128: return kZ;
-    default: return -1;
+    case ffi::DataType::F32:
+      return kS;
+    case ffi::DataType::F64:
+      return kD;
+    case ffi::DataType::C64:
+      return kC;
+    case ffi::DataType::C128:
+      return kZ;
+    default:
+      return -1;
   }
 }
 
 // A hash of everything every rank must agree on, for the signature check.
-int64_t Fingerprint(std::initializer_list<int64_t> words, ffi::Span<const int64_t> sizes) {
+int64_t Fingerprint(std::initializer_list<int64_t> words,
+                    ffi::Span<const int64_t> sizes) {
   uint64_t h = 1469598103934665603ULL;
   auto mix = [&](int64_t w) {
-    for (int b = 0; b < 8; ++b) h = (h ^ ((static_cast<uint64_t>(w) >> (8 * b)) & 0xff)) * 1099511628211ULL;
+    for (int b = 0; b < 8; ++b)
+      h = (h ^ ((static_cast<uint64_t>(w) >> (8 * b)) & 0xff)) *
+          1099511628211ULL;
   };
   for (int64_t w : words) mix(w);
   for (int64_t s : sizes) mix(s);
@@ -539,18 +587,21 @@ template <typename T>
 int FirstBadPivot(const Layout& L, const T* lu) {
   const Grid& g = *L.grid;
   for (int64_t k = 0; k < L.rows; ++k) {
-    if (Owner(k, L.nb, g.nprow) != g.myrow || Owner(k, L.nb, g.npcol) != g.mycol) continue;
+    if (Owner(k, L.nb, g.nprow) != g.myrow ||
+        Owner(k, L.nb, g.npcol) != g.mycol)
+      continue;
     const T u = lu[Local(k, L.nb, g.nprow) + Local(k, L.nb, g.npcol) * L.lld];
-    if (u == T(0) || !std::isfinite(std::abs(u))) return static_cast<int>(k + 1);
+    if (u == T(0) || !std::isfinite(std::abs(u)))
+      return static_cast<int>(k + 1);
   }
   return 0;
 }
 
 // kind 0: Cholesky (p?potrf + p?potrs, lower triangle); 1: LU (p?gesv).
 template <typename T>
-ffi::Error SolveTyped(const Call& c, int prec, int32_t kind, int64_t nb, int64_t m,
-                      const T* a_rows, const T* b_rows, T* x_rows, int32_t* info_out,
-                      MPI_Datatype type) {
+ffi::Error SolveTyped(const Call& c, int prec, int32_t kind, int64_t nb,
+                      int64_t m, const T* a_rows, const T* b_rows, T* x_rows,
+                      int32_t* info_out, MPI_Datatype type) {
   const Api& api = TheApi();
   const int64_t my_rows = c.starts[c.rank + 1] - c.starts[c.rank];
   Layout LA(c.n, c.n, nb, c.starts, *c.grid, c.rank);
@@ -567,20 +618,21 @@ ffi::Error SolveTyped(const Call& c, int prec, int32_t kind, int64_t nb, int64_t
     api.potrf[prec]("L", &n, a.data(), &kOne, &kOne, desca, &info);
     DL_CHECK(AgreeOnInfo(c.state->dup, &info));
     if (info == 0 && nrhs > 0) {
-      api.potrs[prec]("L", &n, &nrhs, a.data(), &kOne, &kOne, desca, b.data(), &kOne, &kOne,
-                      descb, &info);
+      api.potrs[prec]("L", &n, &nrhs, a.data(), &kOne, &kOne, desca, b.data(),
+                      &kOne, &kOne, descb, &info);
       DL_CHECK(AgreeOnInfo(c.state->dup, &info));
     }
   } else {
     std::vector<int> ipiv(LA.mloc + nb);
-    api.gesv[prec](&n, &nrhs, a.data(), &kOne, &kOne, desca, ipiv.data(), b.data(), &kOne,
-                   &kOne, descb, &info);
+    api.gesv[prec](&n, &nrhs, a.data(), &kOne, &kOne, desca, ipiv.data(),
+                   b.data(), &kOne, &kOne, descb, &info);
     DL_CHECK(AgreeOnInfo(c.state->dup, &info));
     if (info >= 0) {
       int bad = FirstBadPivot(LA, a.data());
       if (bad == 0) bad = std::numeric_limits<int>::max();
-      DL_MPI_CHECK("scalapack (pivots)",
-                   MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MIN, c.state->dup));
+      DL_MPI_CHECK(
+          "scalapack (pivots)",
+          MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MIN, c.state->dup));
       if (bad != std::numeric_limits<int>::max()) info = bad;
     }
   }
@@ -594,19 +646,24 @@ ffi::Error SolveTyped(const Call& c, int prec, int32_t kind, int64_t nb, int64_t
   return ffi::Error::Success();
 }
 
-// A workspace length for ScaLAPACK's 32-bit integers, or -1 when it does not fit.
+// A workspace length for ScaLAPACK's 32-bit integers, or -1 when it does not
+// fit.
 int WorkLength(double query, double minimum) {
-  const double n = std::max(query, minimum) * 1.01 + 16;  // (a margin over the query's rounding)
-  return n < static_cast<double>(std::numeric_limits<int>::max()) ? static_cast<int>(n) : -1;
+  const double n = std::max(query, minimum) * 1.01 +
+                   16;  // (a margin over the query's rounding)
+  return n < static_cast<double>(std::numeric_limits<int>::max())
+             ? static_cast<int>(n)
+             : -1;
 }
 
 constexpr const char* kWorkspaceTooLarge =
-    "the eigensolver's workspace exceeds 2^31 elements on some rank; use more ranks";
+    "the eigensolver's workspace exceeds 2^31 elements on some rank; use more "
+    "ranks";
 
 template <typename T>
 ffi::Error EighTyped(const Call& c, int prec, int64_t nb, const T* a_rows,
-                     typename Real<T>::type* w, T* v_rows, int32_t* info_out, MPI_Datatype type,
-                     MPI_Datatype real_type) {
+                     typename Real<T>::type* w, T* v_rows, int32_t* info_out,
+                     MPI_Datatype type, MPI_Datatype real_type) {
   using R = typename Real<T>::type;
   const Api& api = TheApi();
   const int64_t my_rows = c.starts[c.rank + 1] - c.starts[c.rank];
@@ -625,38 +682,41 @@ ffi::Error EighTyped(const Call& c, int prec, int64_t nb, const T* a_rows,
   int minus1 = -1, liwork_q = 0;
   if constexpr (std::is_same_v<T, R>) {
     R work_q = 0;
-    api.syevd[prec == kS ? 0 : 1]("V", "L", &n, a.data(), &kOne, &kOne, desc, w, z.data(),
-                                  &kOne, &kOne, desc, &work_q, &minus1, &liwork_q, &minus1,
-                                  &info);
-    DL_CHECK(AgreeOnInfo(c.state->dup, &info));  // (every rank goes on, or none)
+    api.syevd[prec == kS ? 0 : 1]("V", "L", &n, a.data(), &kOne, &kOne, desc, w,
+                                  z.data(), &kOne, &kOne, desc, &work_q,
+                                  &minus1, &liwork_q, &minus1, &info);
+    DL_CHECK(
+        AgreeOnInfo(c.state->dup, &info));  // (every rank goes on, or none)
     if (info == 0) {
       const int lwork = WorkLength(work_q, 1.0 + 6.0 * n + 2.0 * np * nq);
       DL_CHECK(Together(c.state->dup, lwork < 0, kWorkspaceTooLarge));
       const int liwork = std::max(liwork_q, liwork_min);
       std::vector<R> work(lwork);
       std::vector<int> iwork(liwork);
-      api.syevd[prec == kS ? 0 : 1]("V", "L", &n, a.data(), &kOne, &kOne, desc, w, z.data(),
-                                    &kOne, &kOne, desc, work.data(), &lwork, iwork.data(),
-                                    &liwork, &info);
+      api.syevd[prec == kS ? 0 : 1](
+          "V", "L", &n, a.data(), &kOne, &kOne, desc, w, z.data(), &kOne, &kOne,
+          desc, work.data(), &lwork, iwork.data(), &liwork, &info);
     }
   } else {
     T work_q = 0;
     R rwork_q = 0;
-    api.heevd[prec == kC ? 0 : 1]("V", "L", &n, a.data(), &kOne, &kOne, desc, w, z.data(),
-                                  &kOne, &kOne, desc, &work_q, &minus1, &rwork_q, &minus1,
-                                  &liwork_q, &minus1, &info);
+    api.heevd[prec == kC ? 0 : 1](
+        "V", "L", &n, a.data(), &kOne, &kOne, desc, w, z.data(), &kOne, &kOne,
+        desc, &work_q, &minus1, &rwork_q, &minus1, &liwork_q, &minus1, &info);
     DL_CHECK(AgreeOnInfo(c.state->dup, &info));
     if (info == 0) {
       const int lwork = WorkLength(std::real(work_q), 1.0);
       const int lrwork = WorkLength(rwork_q, 1.0 + 9.0 * n + 3.0 * np * nq);
-      DL_CHECK(Together(c.state->dup, lwork < 0 || lrwork < 0, kWorkspaceTooLarge));
+      DL_CHECK(
+          Together(c.state->dup, lwork < 0 || lrwork < 0, kWorkspaceTooLarge));
       const int liwork = std::max(liwork_q, liwork_min);
       std::vector<T> work(lwork);
       std::vector<R> rwork(lrwork);
       std::vector<int> iwork(liwork);
-      api.heevd[prec == kC ? 0 : 1]("V", "L", &n, a.data(), &kOne, &kOne, desc, w, z.data(),
-                                    &kOne, &kOne, desc, work.data(), &lwork, rwork.data(),
-                                    &lrwork, iwork.data(), &liwork, &info);
+      api.heevd[prec == kC ? 0 : 1]("V", "L", &n, a.data(), &kOne, &kOne, desc,
+                                    w, z.data(), &kOne, &kOne, desc,
+                                    work.data(), &lwork, rwork.data(), &lrwork,
+                                    iwork.data(), &liwork, &info);
     }
   }
   DL_CHECK(AgreeOnInfo(c.state->dup, &info));
@@ -664,7 +724,8 @@ ffi::Error EighTyped(const Call& c, int prec, int64_t nb, const T* a_rows,
     DL_CHECK(CyclicToRows(L, z.data(), v_rows, c.comm, c.state->dup, type));
     // W is global output (every grid process has it); rank 0's copy makes
     // it bitwise identical everywhere whatever the reduction order was.
-    DL_MPI_CHECK("scalapack (eigenvalues)", MPI_Bcast(w, n, real_type, 0, c.state->dup));
+    DL_MPI_CHECK("scalapack (eigenvalues)",
+                 MPI_Bcast(w, n, real_type, 0, c.state->dup));
   } else {
     FillNan(v_rows, my_rows * c.n);
     FillNan(w, c.n);
@@ -688,7 +749,8 @@ std::string Load(const std::vector<std::string>& paths) {
     void* h = dlopen(path.c_str(), RTLD_LAZY | RTLD_GLOBAL);
     if (h == nullptr) {
       const char* why = dlerror();
-      return api.error = "could not load " + path + ": " + (why ? why : "dlopen failed");
+      return api.error = "could not load " + path + ": " +
+                         (why ? why : "dlopen failed");
     }
     api.handles.push_back(h);
   }
@@ -716,18 +778,22 @@ std::string Load(const std::vector<std::string>& paths) {
 bool Loaded() { return TheApi().loaded; }
 
 // ---------------------------------------------------------------------------
-ffi::Error SolveImpl(ffi::Token, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::Token>,
-                     ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::BufferR0<ffi::S32>> info,
-                     int64_t comm_handle, ffi::Span<const int64_t> sizes, int32_t kind,
-                     int64_t nprow, int64_t npcol, int64_t nb, ffi::RunId run, int64_t site) {
+ffi::Error SolveImpl(ffi::Token, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                     ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> x,
+                     ffi::Result<ffi::BufferR0<ffi::S32>> info,
+                     int64_t comm_handle, ffi::Span<const int64_t> sizes,
+                     int32_t kind, int64_t nprow, int64_t npcol, int64_t nb,
+                     ffi::RunId run, int64_t site) {
   MpiLock mpi_lock;
   DL_CHECK(CheckNotFinalized("scalapack_solve"));
   const ffi::DataType dtype = a.element_type();
   const int prec = PrecisionOf(dtype);
   if (prec < 0 || b.element_type() != dtype) {
-    return Invalid(std::string("solves take float32, float64, complex64 or complex128 with b of "
-                               "the dtype of A, got ") + DtypeName(dtype) + " and " +
-                   DtypeName(b.element_type()));
+    return Invalid(
+        std::string(
+            "solves take float32, float64, complex64 or complex128 with b of "
+            "the dtype of A, got ") +
+        DtypeName(dtype) + " and " + DtypeName(b.element_type()));
   }
   auto ad = a.dimensions(), bd = b.dimensions();
   if (ad.size() != 2 || bd.size() != 2 || bd[0] != ad[0]) {
@@ -735,11 +801,13 @@ ffi::Error SolveImpl(ffi::Token, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result
   }
   const int64_t n = ad[1], m = bd[1];
   MPI_Comm comm = CommFromHandle(comm_handle);
-  CallRecord record(kind == 0 ? "scalapack_potrf_solve" : "scalapack_gesv", comm, dtype,
-                    ad[0] * n, -1);
+  CallRecord record(kind == 0 ? "scalapack_potrf_solve" : "scalapack_gesv",
+                    comm, dtype, ad[0] * n, -1);
   DL_CHECKED_CALL(record,
-                  Signature("scalapack").Flag(Fingerprint(
-                      {1, kind, static_cast<int64_t>(dtype), n, m, nprow, npcol, nb}, sizes)),
+                  Signature("scalapack")
+                      .Flag(Fingerprint({1, kind, static_cast<int64_t>(dtype),
+                                         n, m, nprow, npcol, nb},
+                                        sizes)),
                   CheckCollective(dl_sig_, comm));
   std::lock_guard<std::mutex> call_lock(CallMutex());
   Call c;
@@ -751,50 +819,60 @@ ffi::Error SolveImpl(ffi::Token, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result
   }
   switch (prec) {
     case kS:
-      return SolveTyped(c, prec, kind, nb, m, static_cast<const float*>(a.untyped_data()),
-                        static_cast<const float*>(b.untyped_data()),
-                        static_cast<float*>(x->untyped_data()), info_out, MPI_FLOAT);
+      return SolveTyped(
+          c, prec, kind, nb, m, static_cast<const float*>(a.untyped_data()),
+          static_cast<const float*>(b.untyped_data()),
+          static_cast<float*>(x->untyped_data()), info_out, MPI_FLOAT);
     case kD:
-      return SolveTyped(c, prec, kind, nb, m, static_cast<const double*>(a.untyped_data()),
-                        static_cast<const double*>(b.untyped_data()),
-                        static_cast<double*>(x->untyped_data()), info_out, MPI_DOUBLE);
+      return SolveTyped(
+          c, prec, kind, nb, m, static_cast<const double*>(a.untyped_data()),
+          static_cast<const double*>(b.untyped_data()),
+          static_cast<double*>(x->untyped_data()), info_out, MPI_DOUBLE);
     case kC:
-      return SolveTyped(c, prec, kind, nb, m,
-                        static_cast<const std::complex<float>*>(a.untyped_data()),
-                        static_cast<const std::complex<float>*>(b.untyped_data()),
-                        static_cast<std::complex<float>*>(x->untyped_data()), info_out,
-                        MPI_C_FLOAT_COMPLEX);
+      return SolveTyped(
+          c, prec, kind, nb, m,
+          static_cast<const std::complex<float>*>(a.untyped_data()),
+          static_cast<const std::complex<float>*>(b.untyped_data()),
+          static_cast<std::complex<float>*>(x->untyped_data()), info_out,
+          MPI_C_FLOAT_COMPLEX);
     default:
-      return SolveTyped(c, prec, kind, nb, m,
-                        static_cast<const std::complex<double>*>(a.untyped_data()),
-                        static_cast<const std::complex<double>*>(b.untyped_data()),
-                        static_cast<std::complex<double>*>(x->untyped_data()), info_out,
-                        MPI_C_DOUBLE_COMPLEX);
+      return SolveTyped(
+          c, prec, kind, nb, m,
+          static_cast<const std::complex<double>*>(a.untyped_data()),
+          static_cast<const std::complex<double>*>(b.untyped_data()),
+          static_cast<std::complex<double>*>(x->untyped_data()), info_out,
+          MPI_C_DOUBLE_COMPLEX);
   }
 }
 
 ffi::Error EighImpl(ffi::Token, ffi::AnyBuffer a, ffi::Result<ffi::Token>,
-                    ffi::Result<ffi::AnyBuffer> w, ffi::Result<ffi::AnyBuffer> v,
-                    ffi::Result<ffi::BufferR0<ffi::S32>> info, int64_t comm_handle,
-                    ffi::Span<const int64_t> sizes, int64_t nprow, int64_t npcol, int64_t nb,
-                    ffi::RunId run, int64_t site) {
+                    ffi::Result<ffi::AnyBuffer> w,
+                    ffi::Result<ffi::AnyBuffer> v,
+                    ffi::Result<ffi::BufferR0<ffi::S32>> info,
+                    int64_t comm_handle, ffi::Span<const int64_t> sizes,
+                    int64_t nprow, int64_t npcol, int64_t nb, ffi::RunId run,
+                    int64_t site) {
   MpiLock mpi_lock;
   DL_CHECK(CheckNotFinalized("scalapack_heevd"));
   const ffi::DataType dtype = a.element_type();
   const int prec = PrecisionOf(dtype);
   if (prec < 0) {
-    return Invalid(std::string("eigh takes float32, float64, complex64 or complex128, got ") +
-                   DtypeName(dtype));
+    return Invalid(
+        std::string(
+            "eigh takes float32, float64, complex64 or complex128, got ") +
+        DtypeName(dtype));
   }
   auto ad = a.dimensions();
   if (ad.size() != 2) return Invalid("A must be (n_r, N)");
   const int64_t n = ad[1];
   MPI_Comm comm = CommFromHandle(comm_handle);
   CallRecord record("scalapack_heevd", comm, dtype, ad[0] * n, -1);
-  DL_CHECKED_CALL(record,
-                  Signature("scalapack").Flag(Fingerprint(
-                      {2, static_cast<int64_t>(dtype), n, nprow, npcol, nb}, sizes)),
-                  CheckCollective(dl_sig_, comm));
+  DL_CHECKED_CALL(
+      record,
+      Signature("scalapack")
+          .Flag(Fingerprint(
+              {2, static_cast<int64_t>(dtype), n, nprow, npcol, nb}, sizes)),
+      CheckCollective(dl_sig_, comm));
   std::lock_guard<std::mutex> call_lock(CallMutex());
   Call c;
   DL_CHECK(Prepare(comm_handle, sizes, nprow, npcol, nb, ad[0], n, &c));
@@ -807,21 +885,28 @@ ffi::Error EighImpl(ffi::Token, ffi::AnyBuffer a, ffi::Result<ffi::Token>,
     case kS:
       return EighTyped(c, prec, nb, static_cast<const float*>(a.untyped_data()),
                        static_cast<float*>(w->untyped_data()),
-                       static_cast<float*>(v->untyped_data()), info_out, MPI_FLOAT, MPI_FLOAT);
+                       static_cast<float*>(v->untyped_data()), info_out,
+                       MPI_FLOAT, MPI_FLOAT);
     case kD:
-      return EighTyped(c, prec, nb, static_cast<const double*>(a.untyped_data()),
+      return EighTyped(c, prec, nb,
+                       static_cast<const double*>(a.untyped_data()),
                        static_cast<double*>(w->untyped_data()),
-                       static_cast<double*>(v->untyped_data()), info_out, MPI_DOUBLE, MPI_DOUBLE);
+                       static_cast<double*>(v->untyped_data()), info_out,
+                       MPI_DOUBLE, MPI_DOUBLE);
     case kC:
-      return EighTyped(c, prec, nb, static_cast<const std::complex<float>*>(a.untyped_data()),
-                       static_cast<float*>(w->untyped_data()),
-                       static_cast<std::complex<float>*>(v->untyped_data()), info_out,
-                       MPI_C_FLOAT_COMPLEX, MPI_FLOAT);
+      return EighTyped(
+          c, prec, nb,
+          static_cast<const std::complex<float>*>(a.untyped_data()),
+          static_cast<float*>(w->untyped_data()),
+          static_cast<std::complex<float>*>(v->untyped_data()), info_out,
+          MPI_C_FLOAT_COMPLEX, MPI_FLOAT);
     default:
-      return EighTyped(c, prec, nb, static_cast<const std::complex<double>*>(a.untyped_data()),
-                       static_cast<double*>(w->untyped_data()),
-                       static_cast<std::complex<double>*>(v->untyped_data()), info_out,
-                       MPI_C_DOUBLE_COMPLEX, MPI_DOUBLE);
+      return EighTyped(
+          c, prec, nb,
+          static_cast<const std::complex<double>*>(a.untyped_data()),
+          static_cast<double*>(w->untyped_data()),
+          static_cast<std::complex<double>*>(v->untyped_data()), info_out,
+          MPI_C_DOUBLE_COMPLEX, MPI_DOUBLE);
   }
 }
 

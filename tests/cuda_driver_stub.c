@@ -8,7 +8,8 @@
  * staged buffer before waiting for the stream sees wrong values, which is the
  * bug class this stand-in exists to catch. Counters record what was done.
  *
- * Build: cc -shared -fPIC -O1 -o libcuda_stub.so tests/cuda_driver_stub.c -lpthread
+ * Build: cc -shared -fPIC -O1 -o libcuda_stub.so tests/cuda_driver_stub.c
+ * -lpthread
  */
 #include <pthread.h>
 #include <stdint.h>
