@@ -4,6 +4,7 @@
 #                CUDA handlers' code paths emulated on the CPU
 #   make test-cpu-only-build   build test: the extension without CUDA handlers
 #   make test-cuda-compile     every CUDA lowering compiled by XLA's GPU compiler for an H100, no GPU needed
+#   make test-newest-jax       a 2-rank world on the newest JAX PyPI serves for the newest Python here
 #   make demo    the main job
 #   make lint    ruff over the Python, clang-format over the C++
 #   make netket  NetKet into .venv (pyproject's [netket] extra; test and demo need it)
@@ -41,7 +42,7 @@ endif
 BUILD_DEPS := "scikit-build-core>=0.10" "cmake>=3.18" "nanobind>=2.0" "jax>=0.10.2" numpy
 TEST_DEPS := "pytest>=8" "pytest-timeout>=2.3" "scipy>=1.10" matplotlib "hypothesis>=6"
 
-.PHONY: setup lint netket lineax scalapack pyamg docs test test-scale test-mpi4jax test-cuda-emulation test-cuda-compile test-cpu-only-build demo clean bench
+.PHONY: setup lint netket lineax scalapack pyamg docs test test-scale test-mpi4jax test-cuda-emulation test-cuda-compile test-newest-jax test-cpu-only-build demo clean bench
 
 setup: $(STAMP)
 
@@ -194,6 +195,19 @@ CUDA_COMPILE_PYTHON ?= $(or $(shell for p in python3.12 $(HOME)/.pyenv/versions/
 test-cuda-compile:
 	$(MAKE) setup VENV=$(CUDA_COMPILE_VENV) PYTHON=$(CUDA_COMPILE_PYTHON)
 	$(CUDA_COMPILE_VENV)/bin/python tests/cuda_compile.py --target $(CUDA_COMPILE_TARGET) --ranks $(CUDA_COMPILE_RANKS)
+
+# The newest JAX that PyPI serves for the newest Python here (the venv of test-cuda-compile:
+# jax 0.12 on Python 3.12 today), which a user on Python >= 3.12 gets: a 2-rank world of the
+# suites below (every collective and point-to-point operation with its AD rules, the solvers,
+# the operator contract, eigsh, the patch table), with warnings of the patch table made errors,
+# so that a JAX outside the checked versions fails here instead of warning users.
+NEWEST_JAX_RANKS ?= 2
+NEWEST_JAX_TESTS ?= tests/comm/test_collectives.py tests/comm/test_p2p.py tests/comm/test_nonblocking.py \
+	tests/ad/test_ad.py tests/solvers/test_solvers.py tests/operators/test_operators.py tests/solvers/test_eigsh.py
+test-newest-jax:
+	$(MAKE) setup VENV=$(CUDA_COMPILE_VENV) PYTHON=$(CUDA_COMPILE_PYTHON)
+	$(CUDA_COMPILE_VENV)/bin/python -W "error:distlinalg" -c "import jax, sys, distlinalg; print('=== jax', jax.__version__, 'on Python', sys.version.split()[0])"
+	$(CUDA_COMPILE_VENV)/bin/python tests/run_mpi.py --ranks $(NEWEST_JAX_RANKS) $(RUN_MPI_ARGS) -- $(NEWEST_JAX_TESTS) tests/runtime/test_patches.py $(PYTEST_ARGS)
 
 # Build test: the extension as built where no cuda.h exists compiles, imports,
 # and says why it cannot run on a GPU.

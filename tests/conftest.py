@@ -35,6 +35,40 @@ def pytest_configure(config):
     )
 
 
+# What XLA compiled in this process, and what the run's persistent cache saved
+# (tests/run_mpi.py shares one between the worlds of a run): printed at the end of
+# each rank's log, to keep the suite's compile time in view.
+_COMPILES = {"programs": 0, "seconds": 0.0, "trace": 0.0, "lower": 0.0, "cache hits": 0, "cache misses": 0}
+
+
+def _count_compile(event, duration, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES["programs"] += 1
+        _COMPILES["seconds"] += duration
+    elif event == "/jax/core/compile/jaxpr_trace_duration":
+        _COMPILES["trace"] += duration
+    elif event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+        _COMPILES["lower"] += duration
+
+
+def _count_cache(event, **_):
+    if event == "/jax/compilation_cache/cache_hits":
+        _COMPILES["cache hits"] += 1
+    elif event == "/jax/compilation_cache/cache_misses":
+        _COMPILES["cache misses"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+jax.monitoring.register_event_listener(_count_cache)
+
+
+def pytest_terminal_summary(terminalreporter):
+    c = _COMPILES
+    terminalreporter.write_line(
+        f"XLA: {c['programs']} programs compiled in {c['seconds']:.0f} s (jit tracing {c['trace']:.0f} s, "
+        f"lowering {c['lower']:.0f} s); persistent cache {c['cache hits']} hits, {c['cache misses']} misses")
+
+
 def pytest_collection_modifyitems(config, items):
     # Decided from the world size alone, so every rank skips the same tests.
     world = MPI.COMM_WORLD.Get_size()

@@ -23,7 +23,9 @@ generation (see FAST_COMPILE_FLAGS; --xla-defaults turns it off).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -54,18 +56,22 @@ def find_mpiexec() -> list[str]:
     return cmd
 
 
-# XLA options of the MPI worlds. Compiling is most of the suite's time (in
-# test_gram.py 37 of 57 s: ~1600 small programs, most of them eager
-# operations), and the tests check values, HLO and messages, not the machine
-# code LLVM makes of XLA's loops. XLA's classic CPU emitters compile a small
-# eager operation in 44 ms instead of 75, five large test files took 148 s of
-# CPU instead of 240, and CI's MPICH worlds 1392 s instead of 1744. (LLVM at
-# -O0 on top compiles faster still but made the tests that compute 2-3x
-# slower, so it is not used.) XLA's defaults stay covered: the
-# single-process tests (test_ynn.py among them: the miscompile it guards
-# against is in the default path), the doctests, the demo and CI's Open MPI
-# worlds (--xla-defaults) run without these flags.
-FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+# XLA options of the MPI worlds. Compiling is most of the suite's time: a
+# 1-rank world compiles ~11,600 programs, and XLA's compile, JAX's tracing and
+# lowering are nearly all of its time (test_eigsh.py at 1 rank: 77 s of XLA
+# compiles, 25 s of tracing, 8 s of lowering in a 116-s file); the tests check
+# values, HLO and messages, not the machine code LLVM makes of XLA's loops.
+# XLA's classic CPU emitters compile a small eager operation in 44 ms instead
+# of 75 (CI's MPICH worlds 1392 s instead of 1744, on an older suite), and
+# LLVM at -O0 halves what is left: test_eigsh.py 116 -> 76 s (its compiles
+# 77 -> 37 s), the whole 1-rank world ~800 -> 547 s, with no test slower for
+# running unoptimised code (the suite computes on small problems; an earlier
+# suite with larger ones was slower at -O0, which is why it was not used
+# then). XLA's defaults stay covered: the single-process tests (test_ynn.py
+# among them: the miscompile it guards against is in the default path), the
+# doctests, the demo and CI's Open MPI worlds (--xla-defaults) run without
+# these flags.
+FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=0")
 
 
 def fast_compile_flags() -> str:
@@ -120,58 +126,162 @@ def worker(argv: list[str]) -> int:
     return int(code)
 
 
+class World:
+    """One mpiexec job of the suite (a world of `nprocs` ranks, or one shard of a 1-rank world)."""
+
+    def __init__(self, nprocs: int, pytest_args: list[str], cache_dir: str, xla_flags: str | None,
+                 log_dir: Path, label: str) -> None:
+        self.nprocs, self.log_dir, self.label = nprocs, log_dir, label
+        shutil.rmtree(log_dir, ignore_errors=True)
+        cmd = find_mpiexec() + [
+            "-n", str(nprocs), sys.executable, __file__, "--worker", str(log_dir), cache_dir,
+            "-p", "no:cacheprovider", "-m", "not serial",
+            # A rank blocked inside MPI never returns to the interpreter, so
+            # SIGALRM-based timeouts would never fire: use the timer thread.
+            "--timeout-method=thread", *pytest_args,
+        ]
+        env = dict(os.environ)
+        if xla_flags is not None:
+            env["XLA_FLAGS"] = xla_flags
+        if nprocs > len(os.sched_getaffinity(0)):
+            # Oversubscribed: MPICH's progress loop (MPI_THREAD_MULTIPLE) yields its
+            # lock with sched_yield, which leaves a rank that waits spinning on a
+            # core that a compiling rank needs. With nanosleep, test_gram.py and
+            # test_collectives.py on 3 ranks / 2 cores took 116 s against 132 s (one
+            # A/B; no change at 2 ranks). Open MPI's counterpart: mpi_yield_when_idle.
+            env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+        shown_flags = f"XLA_FLAGS='{xla_flags}' " if xla_flags else ""
+        print(f"=== {label}: {shown_flags}{' '.join(cmd)}", flush=True)
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, env=env)
+
+    def finish(self, timeout: float) -> bool:
+        """Wait for the job (until `timeout` s after its start), show its logs; whether it passed."""
+        try:
+            self.proc.wait(timeout=max(1.0, timeout - (time.monotonic() - self.start)))
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            timed_out = True
+        elapsed = time.monotonic() - self.start
+        codes = {}
+        for r in range(self.nprocs):
+            rc_file = self.log_dir / f"rank{r}.rc"
+            codes[r] = int(rc_file.read_text()) if rc_file.exists() else None
+        ok = not timed_out and self.proc.returncode == 0 and all(c == 0 for c in codes.values())
+        # pytest exit 5 = nothing collected (e.g. a -k filter) is not a failure.
+        if not timed_out and all(c in (0, 5) for c in codes.values()) and self.proc.returncode in (0, 5):
+            ok = True
+        rank0 = self.log_dir / "rank0.log"
+        print(rank0.read_text() if rank0.exists() else "(rank 0 wrote no log)", flush=True)
+        if not ok:
+            reason = f"timed out after {timeout:.0f} s" if timed_out else f"mpiexec exit {self.proc.returncode}"
+            print(f"!!! {self.label} FAILED ({reason}); per-rank exit codes {codes}", flush=True)
+            for r in range(1, self.nprocs):
+                if codes[r] != 0:
+                    log = self.log_dir / f"rank{r}.log"
+                    text = log.read_text() if log.exists() else "(no log)"
+                    print(f"----- rank {r} of {self.nprocs} (exit {codes[r]}) -----\n{text}", flush=True)
+        print(f"=== {self.label}: {'ok' if ok else 'FAILED'} in {elapsed:.0f} s", flush=True)
+        return ok
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
 def run_ranks(nprocs: int, pytest_args: list[str], timeout: float, cache_dir: str,
               xla_flags: str | None = None) -> bool:
-    log_dir = LOGS / f"n{nprocs}"
-    shutil.rmtree(log_dir, ignore_errors=True)
-    cmd = find_mpiexec() + [
-        "-n", str(nprocs), sys.executable, __file__, "--worker", str(log_dir), cache_dir,
-        "-p", "no:cacheprovider", "-m", "not serial",
-        # A rank blocked inside MPI never returns to the interpreter, so
-        # SIGALRM-based timeouts would never fire: use the timer thread.
-        "--timeout-method=thread", *pytest_args,
-    ]
-    env = dict(os.environ)
-    if xla_flags is not None:
-        env["XLA_FLAGS"] = xla_flags
-    if nprocs > len(os.sched_getaffinity(0)):
-        # Oversubscribed: MPICH's progress loop (MPI_THREAD_MULTIPLE) yields its
-        # lock with sched_yield, which leaves a rank that waits spinning on a
-        # core that a compiling rank needs. With nanosleep, test_gram.py and
-        # test_collectives.py on 3 ranks / 2 cores took 116 s against 132 s (one
-        # A/B; no change at 2 ranks). Open MPI's counterpart: mpi_yield_when_idle.
-        env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
-    shown_flags = f"XLA_FLAGS='{xla_flags}' " if xla_flags else ""
-    print(f"=== {nprocs} rank(s): {shown_flags}{' '.join(cmd)}", flush=True)
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, env=env)
+    world = World(nprocs, pytest_args, cache_dir, xla_flags, LOGS / f"n{nprocs}", f"{nprocs} rank(s)")
     try:
-        proc.wait(timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        timed_out = True
-    elapsed = time.monotonic() - start
-    codes = {}
-    for r in range(nprocs):
-        rc_file = log_dir / f"rank{r}.rc"
-        codes[r] = int(rc_file.read_text()) if rc_file.exists() else None
-    ok = not timed_out and proc.returncode == 0 and all(c == 0 for c in codes.values())
-    # pytest exit 5 = nothing collected (e.g. a -k filter) is not a failure.
-    if not timed_out and all(c in (0, 5) for c in codes.values()) and proc.returncode in (0, 5):
-        ok = True
-    rank0 = log_dir / "rank0.log"
-    print(rank0.read_text() if rank0.exists() else "(rank 0 wrote no log)", flush=True)
-    if not ok:
-        reason = f"timed out after {timeout:.0f} s" if timed_out else f"mpiexec exit {proc.returncode}"
-        print(f"!!! {nprocs} rank(s) FAILED ({reason}); per-rank exit codes {codes}", flush=True)
-        for r in range(1, nprocs):
-            if codes[r] != 0:
-                log = log_dir / f"rank{r}.log"
-                text = log.read_text() if log.exists() else "(no log)"
-                print(f"----- rank {r} of {nprocs} (exit {codes[r]}) -----\n{text}", flush=True)
-    print(f"=== {nprocs} rank(s): {'ok' if ok else 'FAILED'} in {elapsed:.0f} s", flush=True)
+        return world.finish(timeout)
+    finally:
+        world.stop()
+
+
+# A world of one rank is one process, which compiles on one core: on a machine with
+# more, the test files are spread over that many concurrent one-rank jobs (shards),
+# balanced by each file's recorded time (SHARD_WEIGHTS, seconds at one rank; a file
+# not listed counts by its size), the single-process tests beside the first shard.
+# Files are never split, so every file still runs in one process in its own order.
+SHARD_WEIGHTS = Path(__file__).resolve().parent / "shard_weights.json"
+# pytest options that take the next argument as their value (so it is not a path).
+_VALUE_OPTIONS = {"-k", "-m", "-p", "-c", "-o", "-W", "-r", "--durations", "--timeout", "--rootdir",
+                  "--basetemp", "--deselect", "--ignore", "--maxfail", "--junitxml"}
+
+
+def record_shard_weights(log: Path, serial_seconds: float) -> None:
+    """Write SHARD_WEIGHTS from a 1-rank log of ``--durations=0`` (every test's phases summed per file):
+    ``run_mpi.py --no-serial --no-shards --ranks 1 -- --durations=0``, then
+    ``run_mpi.py --shard-weights-from .mpitest/n1/rank0.log``."""
+    totals: dict[str, float] = {}
+    for line in log.read_text().splitlines():
+        match = re.match(r"([\d.]+)s (?:call|setup|teardown)\s+(\S+?)::", line)
+        if match:
+            totals[match.group(2)] = totals.get(match.group(2), 0.0) + float(match.group(1))
+    weights = {f: round(t, 1) for f, t in sorted(totals.items())} | {"serial": serial_seconds}
+    SHARD_WEIGHTS.write_text(json.dumps(weights, indent=1, sort_keys=True) + "\n")
+    print(f"=== {SHARD_WEIGHTS}: {len(totals)} files, {sum(totals.values()):.0f} s", flush=True)
+
+
+def split_paths(pytest_args: list[str]) -> tuple[list[str], list[str]] | None:
+    """(the test files named by `pytest_args`, the other arguments), or None where they name
+    single tests (file::test), which are left to one process."""
+    paths, options, previous = [], [], ""
+    for arg in pytest_args:
+        if not arg.startswith("-") and previous not in _VALUE_OPTIONS and (ROOT / arg.split("::")[0]).exists():
+            if "::" in arg:
+                return None
+            paths.append(arg)
+        else:
+            options.append(arg)
+        previous = arg
+    files = []
+    for path in paths or ["tests"]:
+        full = ROOT / path
+        found = sorted(full.rglob("test_*.py")) if full.is_dir() else [full]
+        files += [str(f.relative_to(ROOT)) for f in found if f.relative_to(ROOT).as_posix() not in files]
+    return files, options
+
+
+def shard_files(files: list[str], shards: int, first_load: float) -> list[list[str]]:
+    """`files` in `shards` groups of about equal recorded time (longest first onto the
+    least loaded group), the first group starting at `first_load` seconds."""
+    weights = json.loads(SHARD_WEIGHTS.read_text()) if SHARD_WEIGHTS.exists() else {}
+    cost = {f: float(weights.get(f, (ROOT / f).stat().st_size / 2000)) for f in files}
+    groups: list[list[str]] = [[] for _ in range(shards)]
+    loads = [first_load] + [0.0] * (shards - 1)
+    for f in sorted(files, key=lambda f: -cost[f]):
+        k = loads.index(min(loads))
+        groups[k].append(f)
+        loads[k] += cost[f]
+    return [sorted(g) for g in groups if g]
+
+
+def run_one_rank_sharded(pytest_args: list[str], timeout: float, cache_dir: str, xla_flags: str | None,
+                         serial_beside: bool) -> bool:
+    """The 1-rank world as concurrent one-rank jobs over disjoint groups of files."""
+    split = split_paths(pytest_args)
+    cpus = len(os.sched_getaffinity(0))
+    if split is None or cpus < 2 or len(split[0]) < 2:
+        return run_ranks(1, pytest_args, timeout, cache_dir, xla_flags)
+    files, options = split
+    weights = json.loads(SHARD_WEIGHTS.read_text()) if SHARD_WEIGHTS.exists() else {}
+    groups = shard_files(files, cpus, float(weights.get("serial", 0.0)) if serial_beside else 0.0)
+    start = time.monotonic()
+    print(f"=== 1 rank(s): {len(files)} test files in {len(groups)} concurrent one-rank jobs", flush=True)
+    worlds = [World(1, [*group, *options], cache_dir, xla_flags, LOGS / "n1" / f"shard{k}", f"1 rank, shard {k}")
+              for k, group in enumerate(groups)]
+    try:
+        results = [world.finish(timeout) for world in worlds]
+    finally:
+        for world in worlds:
+            world.stop()
+    ok = all(results)
+    print(f"=== 1 rank(s): {'ok' if ok else 'FAILED'} in {time.monotonic() - start:.0f} s "
+          f"({sum(results)} of {len(results)} shards passed)", flush=True)
     return ok
 
 
@@ -219,11 +329,21 @@ def main() -> int:
                         help="compile everything afresh in every world (no shared JAX compilation cache)")
     parser.add_argument("--xla-defaults", action="store_true",
                         help="compile with XLA's default CPU code generation (not FAST_COMPILE_FLAGS)")
+    parser.add_argument("--no-shards", action="store_true",
+                        help="run a 1-rank world as one process (by default its test files are spread over one "
+                             "concurrent one-rank job per core)")
+    parser.add_argument("--shard-weights-from", type=Path, metavar="LOG",
+                        help="write tests/shard_weights.json from a 1-rank log of --durations=0, and exit")
+    parser.add_argument("--serial-seconds", type=float, default=300.0,
+                        help="with --shard-weights-from: the single-process tests' time")
     parser.add_argument("--mpiexec-only", action="store_true", help="run a command under mpiexec")
     parser.add_argument("-n", type=int, default=2, help="ranks for --mpiexec-only")
     parser.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    if args.shard_weights_from:
+        record_shard_weights(args.shard_weights_from, args.serial_seconds)
+        return 0
     if args.mpiexec_only:
         return subprocess.call(find_mpiexec() + ["-n", str(args.n), *rest], cwd=ROOT)
     results = []
@@ -242,7 +362,10 @@ def main() -> int:
     xla_flags = None if args.xla_defaults else fast_compile_flags()
     try:
         for n in args.ranks:
-            results.append(run_ranks(n, rest, args.timeout, cache_dir, xla_flags))
+            if n == 1 and not args.no_shards:
+                results.append(run_one_rank_sharded(rest, args.timeout, cache_dir, xla_flags, serial is not None))
+            else:
+                results.append(run_ranks(n, rest, args.timeout, cache_dir, xla_flags))
             if serial is not None:
                 results.append(serial.finish())
                 serial = None

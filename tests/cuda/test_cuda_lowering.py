@@ -409,7 +409,8 @@ def test_mpi_programs_compile_for_gpus_without_dynamic_slice_fusion(x, handlers_
     assert patches.MPI_MODULE_ATTRIBUTE in with_mpi.operation.attributes
     assert patches.MPI_MODULE_ATTRIBUTE in fenced.operation.attributes
     assert patches.MPI_MODULE_ATTRIBUTE not in without.operation.attributes
-    assert getattr(compiler.compile_or_get_cached, "_distlinalg_gpu_options", False)
+    assert patches.state("jax-gpu-compile-options") == "applied"
+    assert hasattr(compiler.compile_or_get_cached, "_distlinalg_original")
 
     class Backend:
         def __init__(self, platform):

@@ -72,8 +72,10 @@ def test_natural_gradient_with_nystrom_equals_the_plain_update(comm, rank, size,
     params = params_of(dtype)
     shift = 1e-4
     _, reference = natural_gradient_reference(f, params, X, e, mode, True, shift)
+    # rtol 1e-10, not tighter: with shift 1e-4 the attainable true residual is ~1e-12, and a
+    # tighter rtol ended in DIVERGED_ACCURACY_LOST on some runs (complex, samples, 1 rank).
     solve = jax.jit(lambda p, s, r, pre: dl.natural_gradient(f, p, s, r, diag_shift=shift, space=space, mode=mode,
-                                                             rtol=1e-12, maxiter=2000, preconditioner=pre,
+                                                             rtol=1e-10, maxiter=2000, preconditioner=pre,
                                                              comm=comm), static_argnums=3)
     delta, info = solve(params, mine, e_mine, "nystrom")
     _, plain = solve(params, mine, e_mine, None)
