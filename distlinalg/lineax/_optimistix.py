@@ -484,13 +484,13 @@ def _global_counterpart(solver: Any) -> Any:
     linear_solver = getattr(solver.descent, "linear_solver", None)
     kind = type(solver)
     common = dict(rtol=solver.rtol, atol=solver.atol, norm=solver.norm)
-    if kind is optx.GaussNewton:
-        return solver  # its only global decision is the norm's (and NormalCG's solve)
     if not isinstance(linear_solver, dlx.NormalCG):
         raise ValueError(
             f"distlinalg.lineax: optimistix.{kind.__name__} over ranks needs linear_solver="
             "distlinalg.lineax.NormalCG (a least-squares solve over every rank's residuals), "
             f"got {type(linear_solver).__name__}")
+    if kind is optx.GaussNewton:
+        return solver  # its only global decisions are the norm's and NormalCG's solve
     if kind is optx.LevenbergMarquardt:
         return LevenbergMarquardt(linear_solver=linear_solver, **common)
     if kind is optx.IndirectLevenbergMarquardt:

@@ -462,6 +462,9 @@ def test_optimistix_compositions_that_cannot_be_global_raise(comm, rank, size):
         dlx.Dogleg(1e-8, 1e-8, linear_solver=lx.QR())
     with pytest.raises(ValueError, match="minimiser"):
         run(optx.BFGS(1e-8, 1e-8, norm=dlx.max_norm))
+    # optimistix's Gauss-Newton with a norm over ranks but its own (rank-local) linear solve.
+    with pytest.raises(ValueError, match="NormalCG"):
+        run(optx.GaussNewton(1e-8, 1e-8, norm=dlx.rms_norm))
     np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [size])
 
 
@@ -476,7 +479,8 @@ def test_optimistix_least_squares_without_the_install_raises(comm, rank, size, p
     solver = {"GaussNewton": dlx.GaussNewton(1e-8, 1e-8),
               "LevenbergMarquardt": optx.LevenbergMarquardt(1e-8, 1e-8, norm=dlx.max_norm,
                                                             linear_solver=dlx.NormalCG(rtol=1e-10, atol=0.0)),
-              "norm": optx.GaussNewton(1e-8, 1e-8, norm=dlx.rms_norm)}[piece]
+              "norm": optx.GaussNewton(1e-8, 1e-8, norm=dlx.rms_norm,
+                                       linear_solver=dlx.NormalCG(rtol=1e-10, atol=0.0))}[piece]
     optimistix_own = dlx.least_squares.optimistix_least_squares
     with pytest.raises(ValueError, match=r"inside optimistix.least_squares.*install_least_squares"):
         optimistix_own(_exponential_residuals, solver, theta0, args=(t, y), max_steps=5, throw=False)

@@ -161,7 +161,7 @@ def test_loaded_and_later_openblas_pools_are_limited():
 
     code = (
         "import ctypes, os, scipy.linalg\n"
-        "from distlinalg import _cpu\n"
+        "from distlinalg._runtime import cpu as _cpu\n"
         "os.environ.pop('OPENBLAS_NUM_THREADS', None)\n"
         "print(_cpu.limit_blas_threads(1))\n"
         "paths = {l.split()[-1] for l in open('/proc/self/maps') if 'openblas' in l and '.so' in l}\n"
