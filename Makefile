@@ -199,11 +199,12 @@ test-cuda-compile:
 # The newest JAX that PyPI serves for the newest Python here (the venv of test-cuda-compile:
 # jax 0.12 on Python 3.12 today), which a user on Python >= 3.12 gets: a 2-rank world of the
 # suites below (every collective and point-to-point operation with its AD rules, the Krylov
-# solvers, the operators; the patch table's single-process tests), with distlinalg's warnings
-# made errors at import, so that a JAX outside the checked versions fails here.
+# solvers; the patch table's single-process tests), with distlinalg's warnings made errors at
+# import, so that a JAX outside the checked versions fails here. (With the operators suite too:
+# 533 s on a busy machine; CI's time, issue 55.)
 NEWEST_JAX_RANKS ?= 2
 NEWEST_JAX_TESTS ?= tests/comm/test_collectives.py tests/comm/test_p2p.py tests/comm/test_nonblocking.py \
-	tests/ad/test_ad.py tests/solvers/test_solvers.py tests/operators/test_operators.py
+	tests/ad/test_ad.py tests/solvers/test_solvers.py
 test-newest-jax:
 	$(MAKE) setup VENV=$(CUDA_COMPILE_VENV) PYTHON=$(CUDA_COMPILE_PYTHON)
 	$(CUDA_COMPILE_VENV)/bin/python -W "error:distlinalg" -c "import jax, sys, distlinalg; print('=== jax', jax.__version__, 'on Python', sys.version.split()[0])"
