@@ -69,13 +69,57 @@ def pytest_terminal_summary(terminalreporter):
         f"lowering {c['lower']:.0f} s); persistent cache {c['cache hits']} hits, {c['cache misses']} misses")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--all-cases", action="store_true",
+                     help="run every parametrized case in every world (by default worlds of "
+                          f"{COVERING_FROM_WORLD} or more ranks run a covering subset: conftest.covering_cases)")
+
+
+# From 3 ranks on, a parametrized test runs a covering subset of its cases: every value of
+# every parameter at least once (the first case, in collection order, that brings a value
+# not yet seen), not their full product, which runs at 1 and 2 ranks (and in any world with
+# --all-cases). What a third rank adds (a non-power-of-two count, a rank with two
+# neighbours, a rank holding nothing) is met by every value; the full product at 3 ranks on
+# CI's 2 cores is what it cannot afford (issue 55: CI time).
+COVERING_FROM_WORLD = 3
+
+
+def covering_cases(items):
+    """The items to run: those without parameters, and of each test function's cases those
+    that bring a (parameter, value) pair that no earlier case of the function brought."""
+    seen_by_function: dict[tuple, set] = {}
+    keep = []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or not callspec.params:
+            keep.append(item)
+            continue
+        function = (str(item.path), item.cls.__name__ if item.cls else "", item.originalname)
+        seen = seen_by_function.setdefault(function, set())
+        pairs = {(name, callspec.indices.get(name)) for name in callspec.params}
+        if not pairs <= seen:
+            seen |= pairs
+            keep.append(item)
+    return keep
+
+
 def pytest_collection_modifyitems(config, items):
-    # Decided from the world size alone, so every rank skips the same tests.
+    # Decided from the world size and the collection alone, so every rank skips the same tests.
     world = MPI.COMM_WORLD.Get_size()
+    runnable = []
     for item in items:
         marker = item.get_closest_marker("max_ranks")
         if marker is not None and world > marker.args[0]:
             item.add_marker(pytest.mark.skip(reason=f"runs on at most {marker.args[0]} ranks, this world has {world}"))
+        else:
+            runnable.append(item)
+    if world >= COVERING_FROM_WORLD and not config.getoption("--all-cases"):
+        kept = {id(item) for item in covering_cases(runnable)}
+        for item in runnable:
+            if id(item) not in kept:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"its parameters' values are covered by other cases in this {world}-rank world "
+                           "(the full product runs at 1 and 2 ranks; --all-cases runs it here)"))
 
 
 # Every rank keeps every program it compiled (JAX's caches); over a whole file

@@ -154,6 +154,9 @@ import distlinalg as dl  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 from jacobian_reference import VISIBLE, jacobian_rows, params_of, rbm, rbm_with_phase  # noqa: E402
 
+# At most 2 ranks (CI time, issue 55): pytree structure and layouts, whose distributed products run at 3 ranks in test_operators.py and test_gram.py.
+pytestmark = pytest.mark.max_ranks(2)
+
 
 def model_samples(size, rank, seed):
     """Uneven counts (4 + r on rank r): all samples, this rank's, and the counts."""
