@@ -65,6 +65,7 @@ def dense_T(f, params, X, mode, center, diag_shift):
 TWO = pytest.mark.max_ranks(2)
 
 
+@pytest.mark.max_ranks(2)  # CI time (issue 55): the sample Gram's products run at 3 ranks in tests/operators/test_gram.py
 @pytest.mark.parametrize("model,center,chunk_size", [
     pytest.param("real", True, None, marks=TWO), ("real", False, 2), pytest.param("real-truncated", True, None, marks=TWO),
     pytest.param("real-params-complex", True, 3, marks=TWO), ("holomorphic", True, None),
@@ -129,6 +130,7 @@ def test_natural_gradient_against_dense(comm, rank, size, model, space, center, 
     assert all(np.array_equal(flat, other) for other in comm.allgather(flat))
 
 
+@pytest.mark.max_ranks(2)  # CI time (issue 55): the choice of space is agreed from global sizes; the products run at 3 ranks in test_natural_gradient_sharded_params
 @pytest.mark.parametrize("model", ["real", pytest.param("real-params-complex", marks=TWO),
                                    pytest.param("holomorphic", marks=TWO), "complex"])
 def test_spaces_agree_and_auto_picks_the_smaller(comm, rank, size, model):
