@@ -103,6 +103,7 @@ def covering_cases(items):
     return keep
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection, so the covering is of the cases that remain
 def pytest_collection_modifyitems(config, items):
     # Decided from the world size and the collection alone, so every rank skips the same tests.
     world = MPI.COMM_WORLD.Get_size()
