@@ -514,18 +514,17 @@ ffi::Error CancelIfPoisoned(const char* op, MPI_Comm comm) {
 
 ffi::Error WaitOrCancel(const char* op, MPI_Comm comm, int n,
                         MPI_Request* requests, MPI_Status* statuses, int* rc) {
-  for (uint64_t spin = 1;; ++spin) {
+  for (PollPacer pacer;;) {
     int done = 0;
     *rc = n == 1 ? MPI_Test(requests, &done,
                             statuses ? statuses : MPI_STATUS_IGNORE)
                  : MPI_Testall(n, requests, &done,
                                statuses ? statuses : MPI_STATUSES_IGNORE);
     if (*rc != MPI_SUCCESS || done) return ffi::Error::Success();
-    // Polled as MPI's own blocking progress does, yielding now and then (ranks
-    // may share cores); the poison test is one relaxed load while none is
-    // known.
-    if ((spin & 255) != 0) continue;
-    std::this_thread::yield();
+    // Polled as MPI's own blocking progress does, but yielding the core once
+    // the partner is late (PollPacer); the poison test is one relaxed load
+    // while none is known.
+    if (!pacer.Pause()) continue;
     if (poisoned_count.load(std::memory_order_relaxed) == 0) continue;
     if (auto e = CancelIfPoisoned(op, comm); e.failure()) return e;
   }

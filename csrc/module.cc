@@ -196,10 +196,17 @@ NB_MODULE(_native, m) {
       nb::arg("on"),
       "Collectives as nonblocking MPI calls polled cancellably (True), or "
       "MPI's blocking calls.");
+  m.def(
+      "set_idle_sleep",
+      [](bool on) { dl::GlobalSettings().idle_sleep = on; },
+      nb::arg("on"),
+      "Waits that outlast their spinning and yielding polls sleep between "
+      "polls (True: ranks share cores), or keep yielding.");
   m.def("settings", [] {
     const auto& s = dl::GlobalSettings();
     nb::dict d;
     d["cancellable_collectives"] = s.cancellable_collectives;
+    d["idle_sleep"] = s.idle_sleep;
     d["debug_log"] = s.debug_log;
     d["check_mode"] = s.check_mode;
     d["check_signatures"] = s.check_mode == 2;

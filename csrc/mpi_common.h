@@ -73,6 +73,9 @@ struct Settings {
   // are MPI's blocking calls (Open MPI's nonblocking collectives
   // cost 1.8-2.6x).
   bool cancellable_collectives = true;
+  // DISTLINALG_IDLE_WAIT: a wait that outlasts its spinning and yielding polls
+  // sleeps between polls (checks.h, PollPacer): for ranks sharing cores.
+  bool idle_sleep = false;
 };
 Settings& GlobalSettings();
 std::mutex& MpiMutex();

@@ -221,13 +221,12 @@ ffi::Error SendrecvCancellable(const char* op, const void* send,
 ffi::Error ProbeUserMessage(MPI_Comm comm, int source, MPI_Message* message,
                             MPI_Status* status) {
   for (;;) {
-    for (uint64_t spin = 1;; ++spin) {
+    for (PollPacer pacer;;) {
       int found = 0;
       DL_MPI_CHECK("recv", MPI_Improbe(source, MPI_ANY_TAG, comm, &found,
                                        message, status));
       if (found) break;
-      if ((spin & 255) != 0) continue;
-      std::this_thread::yield();
+      if (!pacer.Pause()) continue;
       DL_CHECK(CancelIfPoisoned("recv", comm));
     }
     if (status->MPI_TAG < kUserTagLimit) return ffi::Error::Success();

@@ -60,6 +60,7 @@ def environment_report() -> str:
         f"device-to-device messages: {'yes' if d2d_possible else 'no'} ({d2d_why})",
         f"CPU affinity:   {_cpu.STATE.get('affinity', '?')}",
         f"BLAS threads:   {_cpu.STATE.get('blas', '?')}",
+        f"idle waits (DISTLINALG_IDLE_WAIT): {_cpu.STATE.get('idle wait', '?')}",
         f"XLA CPU YNN fusions: {distlinalg.YNN_FUSION}",
         f"cancellable waits (DISTLINALG_CANCELLABLE_WAITS): point-to-point yes; collectives "
         f"{'yes' if settings['cancellable_collectives'] else 'no (MPI blocking calls)'}",

@@ -58,20 +58,27 @@ def find_mpiexec() -> list[str]:
 
 # XLA options of the MPI worlds. Compiling is most of the suite's time: a
 # 1-rank world compiles ~11,600 programs, and XLA's compiles, JAX's tracing and
-# lowering are nearly all of its time (test_eigsh.py at 1 rank: 77 s of XLA
-# compiles, 25 s of tracing, 8 s of lowering in a 116-s file); the tests check
-# values, HLO and messages, not the machine code LLVM makes of XLA's loops.
-# XLA's classic CPU emitters compile a small eager operation in 44 ms instead
-# of 75 (CI's MPICH worlds 1392 s instead of 1744, on an older suite). LLVM
-# at -O0 on top halved the compiles again (test_eigsh.py 116 -> 76 s) but
-# computed wrong eigenvalues: test_eigsh's vmapped sharded LOBPCG at 2 ranks
-# failed with both flags, every run, and passed with either alone (jaxlib
-# 0.10.2); with XLA's own emitters -O0 compiles slower. So -O0 is not used.
+# lowering are nearly all of its time; the tests check values, HLO and
+# messages, not the machine code LLVM makes of XLA's loops. Three options,
+# measured on tests/solvers/test_solvers.py (jaxlib 0.10.2, 2 cores; 1 rank /
+# 2 ranks, whole file):
+# - XLA's classic CPU emitters (not its fusion emitters) compile a small eager
+#   operation in 44 ms instead of 75: CI's MPICH worlds 1392 s instead of 1744.
+# - One LLVM module per program instead of XLA's split into pieces compiled in
+#   parallel: 73 s -> 49 s and 119 s -> 85 s. The pieces' threads compete with
+#   the other ranks' compiles, and small programs gain nothing from splitting.
+#   It does not change what a program computes.
+# - LLVM at -O0: 49 -> 44 s and 85 -> 58 s (the compiles: 26 -> 13 s, 48 ->
+#   22 s). With the split modules it computed wrong eigenvalues (test_eigsh's
+#   vmapped sharded LOBPCG at 2 ranks, every run; right with the split off, or
+#   the concurrency-optimized scheduler off, or -O2: XLA's split codegen at
+#   -O0, not distlinalg); with one module the whole suite passes.
 # XLA's defaults stay covered: the single-process tests (test_ynn.py among
 # them: the miscompile it guards against is in the default path), the
 # doctests, the demo and CI's Open MPI worlds (--xla-defaults) run without
 # these flags.
-FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1",
+                      "--xla_backend_optimization_level=0")
 
 
 def fast_compile_flags() -> str:

@@ -29,6 +29,17 @@ libraries through their ``openblas_set_num_threads`` entry point, later
 ones through ``OPENBLAS_NUM_THREADS`` (a value the user set is kept).
 ``DISTLINALG_CPU_AFFINITY=none`` leaves this alone too.
 
+Idle waits (``DISTLINALG_IDLE_WAIT``): a distlinalg wait polls MPI, spinning
+first, then yielding the core on every poll (csrc/checks.h, PollPacer). Where
+the node's ranks have fewer CPUs among them than there are ranks
+(``mpiexec -n 3`` on two cores), a yielding waiter still takes about half of
+the core it shares with the rank it waits for: a rank computing while two
+others waited for it took 2.2 s instead of 1.0. There (``auto``, the
+default) a wait that outlasts its spinning and yielding polls sleeps 20 µs
+between polls instead. ``sleep`` and ``yield`` force either. Dedicated cores
+keep yielding: a sleep would add its length to the wait of a partner that is
+just late.
+
 Runs once, at import, on every rank (``distlinalg._runtime.mpi`` calls it after MPI
 is initialised); what was decided is in ``STATE`` for ``python -m distlinalg``.
 """
@@ -143,7 +154,32 @@ def partition_cores(node: Any) -> str:
         _restrict_all_threads(share)
         result = f"CPUs {_ranges(share)} (node-local rank {local_rank} of {local_size}, {len(mine)} CPUs)"
     STATE["affinity"] = result
+    STATE["idle wait"] = idle_wait(os.environ.get("DISTLINALG_IDLE_WAIT", "auto"), everyone, local_size)
     return result
+
+
+IDLE_SLEEP = False  # what idle_wait chose: the handlers' waits sleep once they outlast their polls
+
+
+def idle_wait(choice: str, everyone: list[list[int]], local_size: int) -> str:
+    """Apply ``DISTLINALG_IDLE_WAIT`` (see the module docstring); returns what was chosen.
+
+    `everyone`: the CPU sets of the node's ranks (empty where the OS does not
+    report them: then only ``sleep`` sleeps). The node is oversubscribed when
+    the union of those sets has fewer CPUs than the node has ranks.
+    """
+    global IDLE_SLEEP
+    choice = (choice or "auto").strip().lower()
+    if choice not in ("auto", "sleep", "yield"):
+        raise ValueError(f"DISTLINALG_IDLE_WAIT must be auto, sleep or yield, not {choice!r}")
+    cpus = set().union(*map(set, everyone))
+    oversubscribed = bool(cpus) and len(cpus) < local_size
+    IDLE_SLEEP = choice == "sleep" or (choice == "auto" and oversubscribed)
+    if choice != "auto":
+        return f"{choice} (DISTLINALG_IDLE_WAIT={choice})"
+    if oversubscribed:
+        return f"sleep ({local_size} ranks share {len(cpus)} CPU(s) on this node)"
+    return "yield (a core per rank)" if cpus else "yield (this OS does not report CPU affinity)"
 
 
 def _ranges(cpus: list[int]) -> str:

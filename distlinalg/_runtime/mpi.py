@@ -318,6 +318,7 @@ try:
     _cpu.partition_cores(_node)
 finally:
     _node.Free()
+_native.set_idle_sleep(_cpu.IDLE_SLEEP)
 
 
 # ---------------------------------------------------------------------------

@@ -65,6 +65,8 @@ def pretend_node(monkeypatch):
     # BLAS limits recorded as ("blas", threads) among the moves, not applied to this process.
     monkeypatch.setattr(_cpu, "limit_blas_threads", lambda n: moves.append(("blas", n)) or f"{n} thread(s)")
     monkeypatch.delenv("DISTLINALG_CPU_AFFINITY", raising=False)
+    monkeypatch.delenv("DISTLINALG_IDLE_WAIT", raising=False)
+    monkeypatch.setattr(_cpu, "IDLE_SLEEP", _cpu.IDLE_SLEEP)  # partition_cores chooses it anew
     saved = dict(_cpu.STATE)
 
     def pretend(cpus_of_rank):
@@ -186,3 +188,36 @@ def test_loaded_and_later_openblas_pools_are_limited():
     loaded, variable = counts.rsplit(" ", 1)
     assert variable == "1" and loaded != "[]" and set(eval(loaded)) == {1}, counts  # noqa: S307
     assert kept == "left alone (OPENBLAS_NUM_THREADS=3)"
+
+
+@pytest.mark.parametrize("choice, everyone, local_size, sleeps, says", [
+    ("auto", [[0, 1]] * 3, 3, True, "sleep (3 ranks share 2 CPU(s)"),
+    ("auto", [[0], [0], [1]], 3, True, "sleep (3 ranks share 2 CPU(s)"),  # bound, but onto too few
+    ("auto", [[0, 1]] * 2, 2, False, "yield (a core per rank)"),
+    ("auto", [[0], [1], [2]], 3, False, "yield (a core per rank)"),
+    ("auto", [[], []], 2, False, "yield (this OS does not report"),
+    ("sleep", [[0, 1, 2, 3]], 1, True, "sleep (DISTLINALG_IDLE_WAIT=sleep)"),
+    (" YIELD ", [[0]] * 4, 4, False, "yield (DISTLINALG_IDLE_WAIT=yield)"),
+])
+def test_idle_waits_sleep_where_ranks_outnumber_cpus(choice, everyone, local_size, sleeps, says, monkeypatch):
+    monkeypatch.setattr(_cpu, "IDLE_SLEEP", None)
+    assert _cpu.idle_wait(choice, everyone, local_size).startswith(says)
+    assert _cpu.IDLE_SLEEP is sleeps
+
+
+def test_bad_idle_wait_setting_is_refused(monkeypatch):
+    monkeypatch.setattr(_cpu, "IDLE_SLEEP", False)
+    with pytest.raises(ValueError, match="DISTLINALG_IDLE_WAIT must be auto, sleep or yield, not 'spin'"):
+        _cpu.idle_wait("spin", [[0]], 1)
+
+
+def test_the_handlers_wait_as_chosen_at_import(comm):
+    """The choice reached the handlers, and the node's ranks made the same one."""
+    from distlinalg._runtime import mpi as _mpi
+
+    assert _mpi._native.settings()["idle_sleep"] is _cpu.IDLE_SLEEP
+    _, local_size, everyone = node_split(comm)
+    cpus = set().union(*map(set, everyone))
+    if os.environ.get("DISTLINALG_IDLE_WAIT", "auto") == "auto":
+        assert _cpu.IDLE_SLEEP is (len(cpus) < local_size)
+    assert len(set(comm.allgather(_cpu.STATE["idle wait"].split(" (")[0]))) == 1
