@@ -435,8 +435,48 @@ bool PoisonId(int64_t id, int from) {
 
 void NotifyPeers(int64_t id);  // through the responder (below)
 
+// The records kept by handle (Misused, PoisonedHandles) end with the
+// communicator: an attribute whose delete callback (MPI_Comm_free) forgets
+// them, so that a new communicator to which MPI gives the freed handle starts
+// clean instead of refusing every call (MPICH hands a freed handle to the
+// next Dup).
+void ForgetHandle(int64_t handle) {
+  {
+    std::lock_guard<std::mutex> lock(ActiveMutex());
+    Misused().erase(handle);
+  }
+  std::lock_guard<std::mutex> lock(PoisonMutex());
+  if (PoisonedHandles().erase(handle) != 0) --poisoned_count;
+}
+
+int ForgetKeyval() {
+  static int keyval = [] {
+    int k = MPI_KEYVAL_INVALID;
+    MPI_Comm_create_keyval(
+        MPI_COMM_NULL_COPY_FN,
+        [](MPI_Comm comm, int, void*, void*) -> int {
+          ForgetHandle(HandleFromComm(comm));
+          return MPI_SUCCESS;
+        },
+        &k, nullptr);
+    return k;
+  }();
+  return keyval;
+}
+
+// Call before recording `comm` by handle, holding neither record's lock (a
+// second set_attr would run the delete callback).
+void ForgetWhenFreed(MPI_Comm comm) {
+  void* value = nullptr;
+  int found = 0;
+  if (MPI_Comm_get_attr(comm, ForgetKeyval(), &value, &found) == MPI_SUCCESS &&
+      !found)
+    MPI_Comm_set_attr(comm, ForgetKeyval(), nullptr);
+}
+
 // This rank found two threads on `comm`: poison it here and tell every rank.
 void PoisonHere(MPI_Comm comm) {
+  ForgetWhenFreed(comm);
   const CheckState* state = FindCheckState(comm);
   if (state == nullptr) {
     std::lock_guard<std::mutex> lock(PoisonMutex());
@@ -496,6 +536,7 @@ std::string PoisonedMessage(const char* op, MPI_Comm comm, const Poison& p) {
 }  // namespace
 
 void MarkMisused(int64_t comm) {
+  ForgetWhenFreed(CommFromHandle(comm));
   {
     std::lock_guard<std::mutex> lock(ActiveMutex());
     Misused()[comm] = true;

@@ -197,8 +197,7 @@ NB_MODULE(_native, m) {
       "Collectives as nonblocking MPI calls polled cancellably (True), or "
       "MPI's blocking calls.");
   m.def(
-      "set_idle_sleep",
-      [](bool on) { dl::GlobalSettings().idle_sleep = on; },
+      "set_idle_sleep", [](bool on) { dl::GlobalSettings().idle_sleep = on; },
       nb::arg("on"),
       "Waits that outlast their spinning and yielding polls sleep between "
       "polls (True: ranks share cores), or keep yielding.");

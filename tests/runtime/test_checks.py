@@ -257,6 +257,14 @@ def test_second_thread_on_one_communicator_is_refused(comm, rank, size):
         assert_no_failures(later, comm)
     np.testing.assert_allclose(allreduce(jnp.ones(1), comm=comm), [size])  # other communicators are unaffected
     dup.Free()
+    # The refusal ends with the communicator: MPI hands the freed handle to the next Dup (MPICH
+    # does at once), and that new communicator works.
+    again = comm.Dup()
+    try:
+        np.testing.assert_allclose(allreduce(jnp.ones(2), comm=again), [size] * 2)
+        assert jax.jit(lambda x: allreduce(x, comm=again))(jnp.ones(3)).tolist() == [size] * 3
+    finally:
+        again.Free()
 
 
 # ---------------------------------------------------------------------------
