@@ -175,16 +175,17 @@ int64_t CallsStarted();
 // never complete, and MPI will not write to its buffers afterwards.
 constexpr auto kCancelGrace = std::chrono::seconds(1);
 
-// Pacing of a polling wait (WaitOrCancel, the matched probe): the first polls
-// spin, so a partner a few microseconds behind is met at full speed; after
-// that every poll yields the core. A rank waiting for a slower one (ranks
-// that share cores: `mpiexec -n 3` on two, a laptop) then leaves that core to
-// the rank it waits for instead of taking half of it: with two of three
-// ranks on two cores waiting in a collective, the third computed 2.5-3.5x
-// slower with a yield every 256 polls and at full speed with this. A yield
-// with the core to itself returns at once, so dedicated cores lose nothing,
-// and every poll still tests, so MPI's progress on a large message is not
-// slowed (a sleep would be).
+// Pacing of a polling wait (WaitOrCancel, the matched probe): the first 256
+// polls spin, so a partner a few microseconds behind is met at full speed;
+// after that every poll yields the core (before: one yield per 256 polls).
+// Where ranks outnumber the node's CPUs (Settings::idle_sleep, chosen at
+// import: distlinalg/_runtime/cpu.py), a yielding waiter still took about half
+// of the core it shared with the rank it waited for, so there a wait that
+// outlasts 1,280 polls sleeps 20 us between polls: 3 ranks on 2 cores, one
+// computing while two waited, 2.2 s yielding against 1.0-1.2 s sleeping. Every
+// poll still tests, and a 64 MB allreduce was not slower with the sleeps.
+// Dedicated cores keep yielding: a yield with the core to itself returns at
+// once.
 class PollPacer {
  public:
   // After an unsuccessful test. True every kCheckEvery polls of the yield
