@@ -9,8 +9,11 @@ and "distlinalg" (and on one rank jax's LAPACK path, which both take there,
 and ``jnp.linalg.solve``/``jax.scipy`` cho_factor in the same process as the
 peer). Reported per engine: the median of ``--repeats`` jitted calls after one
 warm-up, the solve's error against the gathered reference (N ≤ 4096; the
-residual ‖A x − b‖ / ‖b‖ above), and the memory per rank of the compiled
-program (XLA's arguments + temporaries + outputs, the largest over the ranks).
+residual ‖A x − b‖ / ‖b‖ above), and the memory per rank: the compiled
+program's (XLA's arguments + temporaries + outputs) plus, for the ScaLAPACK
+engine, the high-water mark of what its handler holds itself (block-cyclic
+pieces, workspaces, the redistribution's panel buffers: XLA cannot see them),
+the largest over the ranks.
 ``--eigh`` adds eigh at the sizes given there (distlinalg's Jacobi engine is
 several times LAPACK's flops: keep them small).
 """
@@ -57,10 +60,18 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         return out, statistics.median(times)
 
-    def memory(fn, *a):
+    from distlinalg.linalg import _scalapack
+
+    def memory(fn, *a, handler_bytes=0):
         m = fn.lower(*a).compile().memory_analysis()
-        mine = (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes) / 2**30
+        mine = (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes + handler_bytes) / 2**30
         return float(allreduce(jnp.asarray(mine), op="max"))
+
+    def handler_peak(engine):
+        """The ScaLAPACK handler's high-water bytes since the last call (0 for other engines)."""
+        if engine != "scalapack" or P == 1 or not _scalapack.available()[0]:
+            return 0
+        return _scalapack.handler_memory(reset_peak=True)[1]
 
     def report(**row):
         rows_out.append(row)
@@ -79,6 +90,7 @@ def main() -> None:
         A_rows = (G_rows @ G_all.T) / 64 + jnp.eye(n)[mine] * 0.5
         b = jnp.ones(p.size_of(r))
         for engine in args.engines:
+            handler_peak(engine)  # restart the high-water mark
             if kind == "cholesky_solve":
                 fn = jax.jit(lambda a, v, e=engine: dll.cholesky_solve(a, v, engine=e))
                 x, seconds = timed(fn, A_rows, b)
@@ -88,8 +100,11 @@ def main() -> None:
                 (w, V), seconds = timed(fn, A_rows)
                 residual = float(jnp.sqrt(allreduce(jnp.sum(jnp.abs(A_rows @ p.allgather(V) - V * w) ** 2))))
             used = "lapack" if P == 1 else engine
+            extra = handler_peak(engine)
+            operands = (A_rows, b) if kind == "cholesky_solve" else (A_rows,)
             report(op=kind, n=n, ranks=P, engine=used, seconds=seconds, residual=residual,
-                   memory_gib_per_rank=memory(fn, A_rows, b) if kind == "cholesky_solve" else memory(fn, A_rows))
+                   memory_gib_per_rank=memory(fn, *operands, handler_bytes=extra),
+                   handler_gib=extra / 2**30)
             if P == 1:
                 break  # both engines take LAPACK on one rank
         if P == 1:  # the peer: jax's own solve of the whole matrix in this process

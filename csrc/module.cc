@@ -1,6 +1,7 @@
 // The distlinalg._native extension: FFI handler capsules, build facts and the
 // runtime switches of the handlers.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -115,6 +116,11 @@ NB_MODULE(_native, m) {
       "dlopen MKL's ScaLAPACK libraries `paths` in order and bind its "
       "routines: '' or why not.");
   m.def("scalapack_loaded", &dl::scalapack::Loaded);
+  m.def("scalapack_memory", &dl::scalapack::Memory,
+        nb::arg("reset_peak") = false,
+        "Bytes the ScaLAPACK handlers hold themselves beside XLA's buffers: "
+        "(live, high-water) of this process; reset_peak restarts the "
+        "high-water mark.");
 
   m.def("wait_discard", &dl::WaitAndDiscard, nb::arg("key"),
         "Completes a pending non-blocking request and drops its result ('' or "

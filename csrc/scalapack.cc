@@ -28,6 +28,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <complex>
 #include <limits>
@@ -351,10 +352,77 @@ ffi::Error Exchange(MPI_Comm user_comm, MPI_Comm dup, const void* send,
   return ffi::Error::Success();
 }
 
+// The handlers' own memory (their block-cyclic pieces, workspaces and
+// exchange buffers, beside the XLA buffers they read and write): live and
+// high-water bytes of this process, for the benchmarks' accounting
+// (scalapack_memory in Python). Calls are serialised by CallMutex, the
+// atomics only keep a reader on another thread honest.
+std::atomic<int64_t> live_bytes{0}, peak_bytes{0};
+
+// A zero-filled array that counts itself in live_bytes / peak_bytes.
+template <typename T>
+class Buffer {
+ public:
+  explicit Buffer(int64_t n)
+      : data_(static_cast<size_t>(std::max<int64_t>(1, n))) {
+    const int64_t now = live_bytes += Bytes();
+    int64_t peak = peak_bytes.load();
+    while (now > peak && !peak_bytes.compare_exchange_weak(peak, now)) {
+    }
+  }
+  ~Buffer() { live_bytes -= Bytes(); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  T* data() { return data_.data(); }
+  const T* data() const { return data_.data(); }
+  T& operator[](int64_t i) { return data_[static_cast<size_t>(i)]; }
+
+ private:
+  int64_t Bytes() const {
+    return static_cast<int64_t>(data_.size() * sizeof(T));
+  }
+  std::vector<T> data_;
+};
+
+// The columns of `cols` (ascending) that lie in [c0, c1), as a range of
+// positions in `cols`.
+std::pair<int64_t, int64_t> ColumnsIn(const std::vector<int64_t>& cols,
+                                      int64_t c0, int64_t c1) {
+  auto lo = std::lower_bound(cols.begin(), cols.end(), c0);
+  auto hi = std::lower_bound(lo, cols.end(), c1);
+  return {lo - cols.begin(), hi - cols.begin()};
+}
+
+// Rows of every rank that this process row owns (its receive counts, per
+// column).
+std::vector<int64_t> RowsOwnedFrom(const Layout& L) {
+  std::vector<int64_t> n(L.nprocs(), 0);
+  for (int s = 0; s < L.nprocs(); ++s) {
+    for (int64_t i = L.first(s); i < L.last(s); ++i)
+      n[s] += Owner(i, L.nb, L.grid->nprow) == L.grid->myrow;
+  }
+  return n;
+}
+
+// The rows -> block-cyclic move (and back), one column panel at a time: the
+// exchange buffers hold a panel (about 1/kPanels of this rank's share), not
+// the whole matrix, so the move costs one more share (the block-cyclic
+// piece) instead of three. Panels are whole block columns of every process
+// column, and their number comes from N, nb and the grid only, so every rank
+// takes part in the same exchanges.
+constexpr int64_t kPanels = 8;
+
+int64_t PanelWidth(const Layout& L) {
+  const int64_t unit = L.nb * L.grid->npcol;
+  const int64_t per_panel = (L.cols + kPanels - 1) / kPanels;
+  return std::max<int64_t>(1, (per_panel + unit - 1) / unit) * unit;
+}
+
 // This rank's rows (row-major, rows [first, last) x cols) -> its
-// block-cyclic piece (column-major, lld). Every rank sends, for each grid
-// process, the elements it owns in row order, columns ascending within a
-// row; the receiver walks the sender's rows in the same order.
+// block-cyclic piece (column-major, lld). For each panel every rank sends,
+// for each grid process, the elements it owns in row order, columns
+// ascending within a row; the receiver walks the sender's rows in the same
+// order.
 template <typename T>
 ffi::Error RowsToCyclic(const Layout& L, const T* rows_data, T* local,
                         MPI_Comm user_comm, MPI_Comm dup, MPI_Datatype type) {
@@ -363,90 +431,101 @@ ffi::Error RowsToCyclic(const Layout& L, const T* rows_data, T* local,
   const int64_t r0 = L.first(L.rank), r1 = L.last(L.rank);
   std::vector<int64_t> rows_on(g.nprow, 0);
   for (int64_t i = r0; i < r1; ++i) ++rows_on[Owner(i, L.nb, g.nprow)];
-  std::vector<int64_t> send_counts(P), offsets(P + 1, 0);
-  for (int q = 0; q < P; ++q) {
-    send_counts[q] = rows_on[q / g.npcol] *
-                     static_cast<int64_t>(L.cols_of[q % g.npcol].size());
-    offsets[q + 1] = offsets[q] + send_counts[q];
-  }
-  std::vector<T> send(std::max<int64_t>(1, offsets[P]));
-  for (int64_t i = r0; i < r1; ++i) {
-    const T* row = rows_data + (i - r0) * L.cols;
-    const int pr = static_cast<int>(Owner(i, L.nb, g.nprow));
-    for (int pc = 0; pc < g.npcol; ++pc) {
-      int64_t& at = offsets[pr * g.npcol + pc];
-      for (int64_t j : L.cols_of[pc]) send[at++] = row[j];
+  const std::vector<int64_t> owned_from = RowsOwnedFrom(L);
+  const int64_t width = PanelWidth(L);
+  for (int64_t c0 = 0; c0 < L.cols; c0 += width) {
+    std::vector<std::pair<int64_t, int64_t>> run(g.npcol);
+    for (int pc = 0; pc < g.npcol; ++pc)
+      run[pc] = ColumnsIn(L.cols_of[pc], c0, std::min(L.cols, c0 + width));
+    std::vector<int64_t> send_counts(P), offsets(P + 1, 0);
+    for (int q = 0; q < P; ++q) {
+      const auto& r = run[q % g.npcol];
+      send_counts[q] = rows_on[q / g.npcol] * (r.second - r.first);
+      offsets[q + 1] = offsets[q] + send_counts[q];
     }
-  }
-  std::vector<int64_t> recv_counts(P);
-  const int64_t my_cols = static_cast<int64_t>(L.cols_of[g.mycol].size());
-  int64_t total = 0;
-  for (int s = 0; s < P; ++s) {
-    int64_t n = 0;
-    for (int64_t i = L.first(s); i < L.last(s); ++i)
-      n += Owner(i, L.nb, g.nprow) == g.myrow;
-    recv_counts[s] = n * my_cols;
-    total += recv_counts[s];
-  }
-  std::vector<T> recv(std::max<int64_t>(1, total));
-  DL_CHECK(Exchange(user_comm, dup, send.data(), send_counts, recv.data(),
-                    recv_counts, type));
-  int64_t at = 0;
-  for (int s = 0; s < P; ++s) {
-    for (int64_t i = L.first(s); i < L.last(s); ++i) {
-      if (Owner(i, L.nb, g.nprow) != g.myrow) continue;
-      T* dst = local + Local(i, L.nb, g.nprow);
-      for (int64_t j : L.cols_of[g.mycol])
-        dst[Local(j, L.nb, g.npcol) * L.lld] = recv[at++];
+    Buffer<T> send(offsets[P]);
+    for (int64_t i = r0; i < r1; ++i) {
+      const T* row = rows_data + (i - r0) * L.cols;
+      const int pr = static_cast<int>(Owner(i, L.nb, g.nprow));
+      for (int pc = 0; pc < g.npcol; ++pc) {
+        int64_t& at = offsets[pr * g.npcol + pc];
+        for (int64_t k = run[pc].first; k < run[pc].second; ++k)
+          send[at++] = row[L.cols_of[pc][k]];
+      }
+    }
+    const auto& mine = run[g.mycol];
+    std::vector<int64_t> recv_counts(P);
+    int64_t total = 0;
+    for (int s = 0; s < P; ++s) {
+      recv_counts[s] = owned_from[s] * (mine.second - mine.first);
+      total += recv_counts[s];
+    }
+    Buffer<T> recv(total);
+    DL_CHECK(Exchange(user_comm, dup, send.data(), send_counts, recv.data(),
+                      recv_counts, type));
+    int64_t at = 0;
+    for (int s = 0; s < P; ++s) {
+      for (int64_t i = L.first(s); i < L.last(s); ++i) {
+        if (Owner(i, L.nb, g.nprow) != g.myrow) continue;
+        T* dst = local + Local(i, L.nb, g.nprow);
+        for (int64_t k = mine.first; k < mine.second; ++k)
+          dst[Local(L.cols_of[g.mycol][k], L.nb, g.npcol) * L.lld] = recv[at++];
+      }
     }
   }
   return ffi::Error::Success();
 }
 
-// The inverse: block-cyclic piece -> this rank's rows (row-major).
+// The inverse: block-cyclic piece -> this rank's rows (row-major), by the
+// same panels.
 template <typename T>
 ffi::Error CyclicToRows(const Layout& L, const T* local, T* rows_data,
                         MPI_Comm user_comm, MPI_Comm dup, MPI_Datatype type) {
   const Grid& g = *L.grid;
   const int P = L.nprocs();
-  const int64_t my_cols = static_cast<int64_t>(L.cols_of[g.mycol].size());
-  std::vector<int64_t> send_counts(P);
-  int64_t total = 0;
-  for (int s = 0; s < P; ++s) {
-    int64_t n = 0;
-    for (int64_t i = L.first(s); i < L.last(s); ++i)
-      n += Owner(i, L.nb, g.nprow) == g.myrow;
-    send_counts[s] = n * my_cols;
-    total += send_counts[s];
-  }
-  std::vector<T> send(std::max<int64_t>(1, total));
-  int64_t at = 0;
-  for (int s = 0; s < P; ++s) {
-    for (int64_t i = L.first(s); i < L.last(s); ++i) {
-      if (Owner(i, L.nb, g.nprow) != g.myrow) continue;
-      const T* src = local + Local(i, L.nb, g.nprow);
-      for (int64_t j : L.cols_of[g.mycol])
-        send[at++] = src[Local(j, L.nb, g.npcol) * L.lld];
-    }
-  }
   const int64_t r0 = L.first(L.rank), r1 = L.last(L.rank);
   std::vector<int64_t> rows_on(g.nprow, 0);
   for (int64_t i = r0; i < r1; ++i) ++rows_on[Owner(i, L.nb, g.nprow)];
-  std::vector<int64_t> recv_counts(P), offsets(P + 1, 0);
-  for (int q = 0; q < P; ++q) {
-    recv_counts[q] = rows_on[q / g.npcol] *
-                     static_cast<int64_t>(L.cols_of[q % g.npcol].size());
-    offsets[q + 1] = offsets[q] + recv_counts[q];
-  }
-  std::vector<T> recv(std::max<int64_t>(1, offsets[P]));
-  DL_CHECK(Exchange(user_comm, dup, send.data(), send_counts, recv.data(),
-                    recv_counts, type));
-  for (int64_t i = r0; i < r1; ++i) {
-    T* row = rows_data + (i - r0) * L.cols;
-    const int pr = static_cast<int>(Owner(i, L.nb, g.nprow));
-    for (int pc = 0; pc < g.npcol; ++pc) {
-      int64_t& from = offsets[pr * g.npcol + pc];
-      for (int64_t j : L.cols_of[pc]) row[j] = recv[from++];
+  const std::vector<int64_t> owned_from = RowsOwnedFrom(L);
+  const int64_t width = PanelWidth(L);
+  for (int64_t c0 = 0; c0 < L.cols; c0 += width) {
+    std::vector<std::pair<int64_t, int64_t>> run(g.npcol);
+    for (int pc = 0; pc < g.npcol; ++pc)
+      run[pc] = ColumnsIn(L.cols_of[pc], c0, std::min(L.cols, c0 + width));
+    const auto& mine = run[g.mycol];
+    std::vector<int64_t> send_counts(P);
+    int64_t total = 0;
+    for (int s = 0; s < P; ++s) {
+      send_counts[s] = owned_from[s] * (mine.second - mine.first);
+      total += send_counts[s];
+    }
+    Buffer<T> send(total);
+    int64_t at = 0;
+    for (int s = 0; s < P; ++s) {
+      for (int64_t i = L.first(s); i < L.last(s); ++i) {
+        if (Owner(i, L.nb, g.nprow) != g.myrow) continue;
+        const T* src = local + Local(i, L.nb, g.nprow);
+        for (int64_t k = mine.first; k < mine.second; ++k)
+          send[at++] = src[Local(L.cols_of[g.mycol][k], L.nb, g.npcol) * L.lld];
+      }
+    }
+    std::vector<int64_t> recv_counts(P), offsets(P + 1, 0);
+    for (int q = 0; q < P; ++q) {
+      const auto& r = run[q % g.npcol];
+      recv_counts[q] = rows_on[q / g.npcol] * (r.second - r.first);
+      offsets[q + 1] = offsets[q] + recv_counts[q];
+    }
+    Buffer<T> recv(offsets[P]);
+    DL_CHECK(Exchange(user_comm, dup, send.data(), send_counts, recv.data(),
+                      recv_counts, type));
+    for (int64_t i = r0; i < r1; ++i) {
+      T* row = rows_data + (i - r0) * L.cols;
+      const int pr = static_cast<int>(Owner(i, L.nb, g.nprow));
+      for (int pc = 0; pc < g.npcol; ++pc) {
+        int64_t& from = offsets[pr * g.npcol + pc];
+        for (int64_t k = run[pc].first; k < run[pc].second; ++k)
+          row[L.cols_of[pc][k]] = recv[from++];
+      }
     }
   }
   return ffi::Error::Success();
@@ -606,7 +685,7 @@ ffi::Error SolveTyped(const Call& c, int prec, int32_t kind, int64_t nb,
   const int64_t my_rows = c.starts[c.rank + 1] - c.starts[c.rank];
   Layout LA(c.n, c.n, nb, c.starts, *c.grid, c.rank);
   Layout LB(c.n, m, nb, c.starts, *c.grid, c.rank);
-  std::vector<T> a(LA.local_size()), b(LB.local_size());
+  Buffer<T> a(LA.local_size()), b(LB.local_size());
   DL_CHECK(RowsToCyclic(LA, a_rows, a.data(), c.comm, c.state->dup, type));
   DL_CHECK(RowsToCyclic(LB, b_rows, b.data(), c.comm, c.state->dup, type));
   int desca[9], descb[9];
@@ -668,7 +747,7 @@ ffi::Error EighTyped(const Call& c, int prec, int64_t nb, const T* a_rows,
   const Api& api = TheApi();
   const int64_t my_rows = c.starts[c.rank + 1] - c.starts[c.rank];
   Layout L(c.n, c.n, nb, c.starts, *c.grid, c.rank);
-  std::vector<T> a(L.local_size()), z(L.local_size());
+  Buffer<T> a(L.local_size()), z(L.local_size());
   DL_CHECK(RowsToCyclic(L, a_rows, a.data(), c.comm, c.state->dup, type));
   int desc[9];
   L.desc(desc);
@@ -691,8 +770,8 @@ ffi::Error EighTyped(const Call& c, int prec, int64_t nb, const T* a_rows,
       const int lwork = WorkLength(work_q, 1.0 + 6.0 * n + 2.0 * np * nq);
       DL_CHECK(Together(c.state->dup, lwork < 0, kWorkspaceTooLarge));
       const int liwork = std::max(liwork_q, liwork_min);
-      std::vector<R> work(lwork);
-      std::vector<int> iwork(liwork);
+      Buffer<R> work(lwork);
+      Buffer<int> iwork(liwork);
       api.syevd[prec == kS ? 0 : 1](
           "V", "L", &n, a.data(), &kOne, &kOne, desc, w, z.data(), &kOne, &kOne,
           desc, work.data(), &lwork, iwork.data(), &liwork, &info);
@@ -710,9 +789,9 @@ ffi::Error EighTyped(const Call& c, int prec, int64_t nb, const T* a_rows,
       DL_CHECK(
           Together(c.state->dup, lwork < 0 || lrwork < 0, kWorkspaceTooLarge));
       const int liwork = std::max(liwork_q, liwork_min);
-      std::vector<T> work(lwork);
-      std::vector<R> rwork(lrwork);
-      std::vector<int> iwork(liwork);
+      Buffer<T> work(lwork);
+      Buffer<R> rwork(lrwork);
+      Buffer<int> iwork(liwork);
       api.heevd[prec == kC ? 0 : 1]("V", "L", &n, a.data(), &kOne, &kOne, desc,
                                     w, z.data(), &kOne, &kOne, desc,
                                     work.data(), &lwork, rwork.data(), &lrwork,
@@ -776,6 +855,12 @@ std::string Load(const std::vector<std::string>& paths) {
 }
 
 bool Loaded() { return TheApi().loaded; }
+
+std::pair<int64_t, int64_t> Memory(bool reset_peak) {
+  const std::pair<int64_t, int64_t> now{live_bytes.load(), peak_bytes.load()};
+  if (reset_peak) peak_bytes = live_bytes.load();
+  return now;
+}
 
 // ---------------------------------------------------------------------------
 ffi::Error SolveImpl(ffi::Token, ffi::AnyBuffer a, ffi::AnyBuffer b,

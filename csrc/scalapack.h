@@ -2,7 +2,9 @@
 // Nothing here needs MKL at build time.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mpi_common.h"
@@ -19,5 +21,9 @@ namespace scalapack {
 // (also when already loaded), else why not.
 std::string Load(const std::vector<std::string>& paths);
 bool Loaded();
+// The handlers' own buffers (block-cyclic pieces, workspaces, exchange
+// panels), in bytes: (live, high-water); `reset_peak` restarts the
+// high-water mark from the live bytes after reading it.
+std::pair<int64_t, int64_t> Memory(bool reset_peak);
 }  // namespace scalapack
 }  // namespace distlinalg

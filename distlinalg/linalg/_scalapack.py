@@ -157,6 +157,22 @@ def _mkl_version() -> str:
         return ""
 
 
+def handler_memory(reset_peak: bool = False) -> tuple[int, int]:
+    """Bytes the ScaLAPACK handlers of this process hold themselves, beside the XLA buffers
+    they read and write (XLA's ``memory_analysis`` cannot see them): ``(live, high_water)``.
+
+    What they hold during a call: this rank's block-cyclic piece of A (and of B, or of Z for
+    eigh), ScaLAPACK's workspaces, and the exchange buffers of one column panel of the
+    redistribution (about 1/8 of the rank's share). ``reset_peak=True`` restarts the
+    high-water mark from the live bytes after reading it (this rank only; nothing
+    collective). For the benchmarks' memory accounting:
+
+    >>> live, peak = handler_memory(reset_peak=True)  # doctest: +SKIP
+    """
+    live, peak = _mpi._native.scalapack_memory(reset_peak)
+    return int(live), int(peak)
+
+
 def _require() -> None:
     ok, message = available()
     if not ok:
