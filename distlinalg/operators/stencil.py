@@ -51,6 +51,14 @@ class StencilGrid(NamedTuple):
     most 3 × 3 points; grid points beyond the edge are zero, as with a
     Dirichlet boundary).
 
+    Such an operator may also have a method ``stencil_coefficients()``
+    returning this rank's (3, 3, rows, nx) coefficients (``[a, b, i, j]``
+    multiplies u[i + a − 1, j + b − 1], as in :class:`Stencil2D`; couplings
+    beyond the grid are ignored). :func:`distlinalg.solvers.multigrid` and
+    :func:`~distlinalg.solvers.block_jacobi` then read them instead of
+    finding them by 9 products of the operator (``laplacian_2d`` and
+    ``stencil_2d`` have it).
+
     Example:
       >>> from distlinalg.operators import laplacian_2d
       >>> grid = laplacian_2d(6).stencil_grid
@@ -229,6 +237,11 @@ class Laplacian2D(LinearOperator):
     def _diagonal(self) -> Any:
         return jnp.full(self.in_structure.leaves[0].shape, 4, self.dtype)
 
+    def stencil_coefficients(self) -> jax.Array:
+        """This rank's (3, 3, rows, n) coefficients: 4 at the centre, −1 at the four neighbours (no message)."""
+        stencil = jnp.asarray([[0, -1, 0], [-1, 4, -1], [0, -1, 0]], self.dtype)[:, :, None, None]
+        return jnp.broadcast_to(stencil, (3, 3, self.row_partition.size_of(self.comm.rank), self.n))
+
 
 class _Geometry(NamedTuple):
     n: int
@@ -404,9 +417,20 @@ class Stencil2D(LinearOperator):
     def _diagonal(self) -> Any:
         return self.coefficients[1, 1].reshape(-1)
 
+    def stencil_coefficients(self) -> jax.Array:
+        """This rank's (3, 3, rows, nx) coefficients, as held."""
+        return self.coefficients
+
 
 def apply_stencil(coefficients: jax.Array, v: jax.Array, row_partition: Partition, comm: Communicator) -> jax.Array:
-    """Σ_ab c[a, b] ⊙ (v shifted by (a − 1, b − 1)) on this rank's grid rows (flat in, flat out)."""
+    """Σ_ab c[a, b] ⊙ (v shifted by (a − 1, b − 1)) on this rank's grid rows (flat in, flat out).
+
+    The halo rows are concatenated onto the block. Tried: shifts inside the
+    block with the halo row selected by row index (the Laplacian's way):
+    3.7 against 3.1 ms per product at 1000 × 1000 (level 1 of multigrid at
+    n = 2000), which reads nine coefficient arrays and is at the memory
+    bandwidth either way.
+    """
     mine, up, down = grid_neighbours(row_partition, comm)
     if not mine:
         return v

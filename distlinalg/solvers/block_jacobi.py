@@ -26,14 +26,14 @@ import jax.scipy.linalg as jsl
 import numpy as np
 
 from .._runtime.mpi import Communicator
-from ..operators import LinearOperator, linearise, operator_class, static
+from ..operators import LinearOperator, operator_class, static
 from ..operators._partition import exchange_rows
 from ..operators.dense import DenseRowsOperator
 from ..operators.sparse import SparseRowsOperator
-from ..operators.stencil import Stencil2D, StencilGrid, stencil_entries
+from ..operators.stencil import StencilGrid, stencil_entries
 from ._arguments import agree_options
 from .chebyshev import chebyshev_polynomial
-from .multigrid import probe_coefficients
+from .multigrid import stencil_coefficients
 
 LOCAL_SOLVERS = ("cholesky", "amg")
 CHOLESKY_UP_TO = 4096  # local=None: a dense Cholesky for blocks of up to this many rows, else AMG
@@ -88,10 +88,9 @@ def diagonal_block(A: LinearOperator) -> tuple[np.ndarray, np.ndarray, Any, int]
         rows, cols = np.meshgrid(np.arange(m), np.arange(end - start), indexing="ij")
         return rows.ravel(), cols.ravel(), block.reshape(-1), m
     grid = getattr(A, "stencil_grid", None)
-    if isinstance(grid, StencilGrid):  # a stencil on a grid: its coefficients, probed where not stored
+    if isinstance(grid, StencilGrid):  # a stencil on a grid: its coefficients, probed where it has none
         mine, nx = grid.row_partition.size_of(rank), grid.shape[1]
-        coefficients = A.coefficients if isinstance(A, Stencil2D) else probe_coefficients(
-            linearise(A).matvec, grid, A.comm, A.in_structure.leaves[0].dtype)
+        coefficients = stencil_coefficients(A, grid, A.comm, A.in_structure.leaves[0].dtype)
         rows, cols, values = stencil_entries(coefficients, (mine, nx))  # this rank's rows only
         return rows, cols, values, mine * nx
     raise TypeError(

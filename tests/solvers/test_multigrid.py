@@ -63,13 +63,45 @@ def test_transfers_and_galerkin_operator_match_dense_reference(comm, rank, size,
     restricted = jax.jit(lambda v: mg.restrict(v, fine, coarse, A.comm))(mine(r, fine.row_partition, n, rank))
     np.testing.assert_allclose(whole(prolonged, comm), P @ e, rtol=1e-14, atol=1e-14)
     np.testing.assert_allclose(whole(restricted, comm), P.T @ r, rtol=1e-14, atol=1e-14)
-    # The coarse operator is the Galerkin product, found by probing.
+    # The coarse operator is the Galerkin product (stencil algebra).
     galerkin = P.T @ dense_laplacian(n) @ P
     v = rng.standard_normal(galerkin.shape[0])
     product = jax.jit(lambda S, v: S @ v)(M.coarse[0], mine(v, coarse.row_partition, n // 2, rank))
     np.testing.assert_allclose(whole(product, comm), galerkin @ v, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(np.asarray(M.upper), [2.0, np.abs(galerkin).sum(1).max() / galerkin[0, 0]],
                                rtol=1e-12)
+
+
+def interpolation_1d(n: int) -> np.ndarray:
+    P = np.zeros((n, n // 2))
+    for J in range(n // 2):
+        P[2 * J : 2 * J + 3, J] = [0.5, 1, 0.5][: min(3, n - 2 * J)]
+    return P
+
+
+@pytest.mark.parametrize("shape", [(9, 8), (10, 7)])
+def test_galerkin_algebra_of_a_variable_nonsymmetric_stencil(comm, rank, size, shape):
+    """R A P by stencil algebra (no product) against the dense Pᵀ A P, and the fine coefficients read
+    from the operator against those found by 9 products (the path of operators without them)."""
+    ny, nx = shape
+    partition = uneven_partition(ny, size)
+    rng = np.random.default_rng(ny * nx)
+    c_global = rng.standard_normal((3, 3, ny, nx))
+    c = jnp.asarray(c_global[:, :, partition.starts[rank] : partition.starts[rank + 1]])
+    S = stencil_2d(c)
+    grid = S.stencil_grid
+    read = mg.stencil_coefficients(S, grid, S.comm, jnp.float64)
+    probed = jax.jit(lambda S: mg.probe_coefficients(S.matvec, grid, S.comm, jnp.float64))(S)
+    np.testing.assert_allclose(np.asarray(read), np.asarray(probed), rtol=1e-14, atol=1e-14)
+    M = dl.solvers.multigrid(S, levels=2)
+    coarse = M.grids[1]
+    P = np.kron(interpolation_1d(ny), interpolation_1d(nx))
+    galerkin = P.T @ np.asarray(mg.assemble_dense(jnp.asarray(c_global), (ny, nx))) @ P
+    v = rng.standard_normal(galerkin.shape[0])
+    local = mine(v, coarse.row_partition, nx // 2, rank)
+    product = jax.jit(lambda C, v: C @ v)(M.coarse[0], local)
+    np.testing.assert_allclose(whole(product, comm), galerkin @ v, rtol=1e-12, atol=1e-12)
+    assert not M.coarse[0].symmetric  # the flags are A's
 
 
 def test_preconditioner_is_symmetric_positive_definite(comm, rank, size):
