@@ -6,10 +6,11 @@
 // (n_r, N) buffer; the split is arbitrary (a rank may hold none). ScaLAPACK
 // wants a 2-D block-cyclic column-major layout on a BLACS grid. A row split
 // of uneven sizes has no block-cyclic descriptor, so p?gemr2d cannot take it:
-// the handlers move the data themselves with one MPI_Alltoallv each way, on a
-// private duplicate of the communicator (ScaLAPACK's and our messages never
-// meet the user's). Memory per rank is O(N^2 / P): this rank's rows, its
-// block-cyclic pieces and the two exchange buffers.
+// the handlers move the data themselves, one MPI_Alltoallv per column panel
+// each way (see kPanels), on a private duplicate of the communicator
+// (ScaLAPACK's and our messages never meet the user's). Memory per rank is
+// O(N^2 / P): this rank's rows, its block-cyclic pieces and one panel's
+// exchange buffers.
 //
 // Loading. Nothing here links MKL: the extension builds and imports without
 // it. distlinalg/linalg/_scalapack.py finds the wheel's libraries and calls

@@ -28,7 +28,7 @@ from .dense import DenseColumnsOperator, DenseOperator, DenseRowsOperator, dense
 from .gram import GramOperator, gram
 from .sample_gram import SampleGramOperator, sample_gram
 from .sparse import SparseRowsOperator, sparse_rows
-from .stencil import Laplacian2D, Stencil2D, StencilGrid, laplacian_2d, stencil_2d
+from .stencil import Laplacian2D, Stencil2D, StencilGrid, SymmetricStencil2D, laplacian_2d, stencil_2d, symmetric_stencil
 
 __all__ = [
     "LinearOperator",
@@ -60,6 +60,8 @@ __all__ = [
     "laplacian_2d",
     "Laplacian2D",
     "stencil_2d",
+    "symmetric_stencil",
+    "SymmetricStencil2D",
     "Stencil2D",
     "StencilGrid",
 ]

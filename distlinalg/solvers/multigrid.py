@@ -56,7 +56,7 @@ from .._runtime.mpi import Communicator, ReduceOp
 from ..comm.allreduce import allreduce
 from ..operators import LinearOperator, linearise, operator_class, static
 from ..operators._partition import Partition
-from ..operators.stencil import Stencil2D, StencilGrid, grid_neighbours, halo_rows, stencil_entries
+from ..operators.stencil import Stencil2D, StencilGrid, grid_neighbours, halo_rows, stencil_entries, symmetric_stencil
 from ._arguments import agree_options
 from .chebyshev import chebyshev_polynomial
 
@@ -290,7 +290,8 @@ class Multigrid(LinearOperator):
 
     Attributes:
       A: the fine operator (a child).
-      coarse: the Galerkin operators of levels 1, 2, … (:class:`~distlinalg.operators.Stencil2D`).
+      coarse: the Galerkin operators of levels 1, 2, … (:class:`~distlinalg.operators.SymmetricStencil2D`
+        for symmetric or Hermitian A, :class:`~distlinalg.operators.Stencil2D` otherwise).
       inverse_diagonals: D⁻¹ of every level but the coarsest (flat, this rank's rows).
       upper: the Gershgorin bound of D⁻¹A per level (replicated).
       lu, pivots: the coarsest level's LU factors (replicated).
@@ -471,8 +472,7 @@ def multigrid(A: Any, *, levels: int | None = None, smoother: str = "chebyshev",
     for level in range(len(grids) - 1):
         f, c = grids[level], grids[level + 1]
         coefficients.append(galerkin_coefficients(coefficients[-1], f, c, comm))
-        coarse_operators.append(Stencil2D(coefficients=coefficients[-1], shape=c.shape, row_partition=c.row_partition,
-                                          comm=comm, symmetric=bool(A.symmetric), hermitian=bool(A.hermitian)))
+        coarse_operators.append(_coarse_operator(coefficients[-1], c, A, comm))
 
     upper = allreduce(jnp.stack([gershgorin_upper(c) for c in coefficients]).astype(jnp.finfo(dtype).dtype),
                       ReduceOp.MAX, comm=comm)
@@ -482,6 +482,14 @@ def multigrid(A: Any, *, levels: int | None = None, smoother: str = "chebyshev",
     lu, pivots = jsl.lu_factor(assemble_dense(jnp.moveaxis(whole, 0, 2), last.shape))
     return Multigrid(A=A, coarse=tuple(coarse_operators), inverse_diagonals=inverse_diagonals, upper=upper,
                      lu=lu, pivots=pivots, grids=tuple(grids), smoother=smoother, degree=int(degree), cycle=cycle)
+
+
+def _coarse_operator(coefficients: jax.Array, grid: StencilGrid, A: Any, comm: Communicator) -> Any:
+    """R A P as an operator: stored by half its couplings where A is symmetric or Hermitian (so is R A P:
+    R = Pᵀ), which the cycle reads five coefficient arrays of instead of nine."""
+    if A.symmetric or A.hermitian:
+        return symmetric_stencil(coefficients, grid, comm, hermitian=bool(A.hermitian and not A.symmetric))
+    return Stencil2D(coefficients=coefficients, shape=grid.shape, row_partition=grid.row_partition, comm=comm)
 
 
 def _inverse(diagonal: jax.Array) -> jax.Array:

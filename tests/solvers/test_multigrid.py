@@ -207,6 +207,37 @@ def test_stencil_2d_matches_its_dense_matrix_and_transposes(comm, rank, size):
     assert local.shape == (rows * nx,)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.complex128])
+def test_symmetric_stencil_matches_its_dense_matrix(comm, rank, size, dtype):
+    """The half-stored stencil (multigrid's coarse levels) against the dense symmetric / Hermitian matrix."""
+    ny, nx = 8, 5
+    partition = uneven_partition(ny, size)
+    rng = np.random.default_rng(5)
+    c_global = rng.standard_normal((3, 3, ny, nx))
+    if dtype == jnp.complex128:
+        c_global = c_global + 1j * rng.standard_normal((3, 3, ny, nx))
+    dense = np.asarray(mg.assemble_dense(jnp.asarray(c_global), (ny, nx)))
+    dense = np.triu(dense, 1) + np.triu(dense, 1).conj().T + np.diag(np.real(np.diag(dense)))  # Hermitian
+    # Its coefficients, back from the dense matrix (the couplings beyond the grid zero).
+    full = np.zeros((3, 3, ny, nx), dense.dtype)
+    for J in range(ny):
+        for K in range(nx):
+            for a in range(3):
+                for b in range(3):
+                    Jn, Kn = J + a - 1, K + b - 1
+                    if 0 <= Jn < ny and 0 <= Kn < nx:
+                        full[a, b, J, K] = dense[J * nx + K, Jn * nx + Kn]
+    local = jnp.asarray(full[:, :, partition.starts[rank] : partition.starts[rank + 1]])
+    grid = stencil_2d(local).stencil_grid
+    S = dl.operators.symmetric_stencil(local, grid, hermitian=True)
+    assert S.hermitian and S.symmetric == (dtype == jnp.float64)
+    v = rng.standard_normal(ny * nx) + (1j * rng.standard_normal(ny * nx) if dtype == jnp.complex128 else 0)
+    mine_v = mine(v, partition, nx, rank)
+    np.testing.assert_allclose(whole(jax.jit(lambda S, v: S @ v)(S, mine_v), comm), dense @ v, rtol=1e-12)
+    np.testing.assert_allclose(whole(S.T @ mine_v, comm), dense.T @ v, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(S.stencil_coefficients()), np.asarray(local), rtol=1e-14, atol=1e-14)
+
+
 @pytest.mark.max_ranks(2)  # no message of its own: nothing depends on the rank count beyond 2
 def test_chebyshev_preconditioner(comm, rank, size):
     n = 24
