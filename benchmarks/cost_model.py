@@ -52,6 +52,9 @@ of ``natural_gradient``) add:
   parameter space  2·N_s·N_p²/P flops (OᴴO) + allreduce(8·N_p²) + N_p³/3 flops (Cholesky)
   sample space     2·N_s²·N_p/P flops (ring products) + (P−1)·sendrecv(8·N_s·N_p/P)
                    + allgather(8·N_s²/P) + N_s³/3 flops
+  split by rows    the ring products, then ScaLAPACK's Cholesky on the rows
+                   (``row_split_solve``: N_s³/(3P) flops, panel broadcasts on a
+                   √P × √P grid, the move to the block-cyclic layout and back)
 
 at a flop rate F per rank (a measured dgemm rate, ``--flops``).
 
@@ -273,6 +276,42 @@ def dense_sr_step(machine: Machine, n_samples: int, n_params: int, P: int, space
             + n_samples**3 / 3 / F)
 
 
+# The row-split dense solve of distlinalg.linalg (ScaLAPACK's p?potrf/p?potrs on a q × q grid, block nb).
+SCALAPACK_BLOCK = 64
+SCALAPACK_EFFICIENCY = 0.75  # its flop rate against one rank's dgemm (here: 0.79 at 2 ranks, N = 8192)
+REDISTRIBUTION_PANELS = 8  # the handler's rows <-> block-cyclic move, one alltoallv per panel each way
+HANDLER_SHARES = 1.25  # the handler's peak beside the kernel's rows, in shares N²/P (measured, N = 2048)
+
+
+def row_split_solve(machine: Machine, n: int, P: int) -> dict[str, float]:
+    """Seconds and bytes per rank of cholesky_solve on an n × n matrix held by rows over P ranks.
+
+    Factorisation: n³/(3P) flops at SCALAPACK_EFFICIENCY·F, and per block column a broadcast of its
+    panel (n/q × nb on average half that) along the process rows and the process columns; the two
+    triangular solves: 2n²/P flops and 2 broadcasts of nb numbers per block; the move to and from
+    the block-cyclic layout: 2·panels alltoalls of 8n²/(P·panels) bytes per rank.
+    """
+    q = max(1, math.isqrt(P))
+    blocks = n / SCALAPACK_BLOCK
+    panel = 8 * SCALAPACK_BLOCK * n / (2 * q)
+    compute = (n**3 / 3 + 2 * n**2) / P / (SCALAPACK_EFFICIENCY * machine.flops)
+    factor_messages = blocks * 2 * collective(machine, "bcast", panel, q)
+    solve_messages = 2 * blocks * 2 * collective(machine, "bcast", 8 * SCALAPACK_BLOCK, q)
+    move = 2 * REDISTRIBUTION_PANELS * collective(machine, "alltoall", 8 * n**2 / P / REDISTRIBUTION_PANELS, P)
+    return {"compute": compute, "communication": factor_messages + solve_messages + move,
+            "total": compute + factor_messages + solve_messages + move,
+            "bytes_per_rank": 8 * n**2 / P * (1 + HANDLER_SHARES)}
+
+
+def row_split_sr_step(machine: Machine, n_samples: int, n_params: int, P: int) -> dict[str, float]:
+    """Sample-space SR with the kernel split by rows from its construction to its solution
+    (dnk.cholesky_distributed): the ring products of the Jacobian rows, then row_split_solve."""
+    F = machine.flops
+    kernel = 2 * n_samples**2 * n_params / P / F + (P - 1) * sendrecv(machine, 8 * n_samples * n_params / P, P)
+    solve = row_split_solve(machine, n_samples, P)
+    return {"kernel": kernel, **solve, "total": kernel + solve["total"]}
+
+
 # -- reading the measurements ------------------------------------------------------
 def load(patterns: list[str]) -> list[dict]:
     out = []
@@ -408,6 +447,18 @@ def report(args: argparse.Namespace) -> str:
             tp, ts = (dense_sr_step(cluster, Ns, Np, 1024, s) for s in ("parameter", "sample"))
             say(f"| {Ns} | {Np} | {_ms(tp)} | {_ms(ts)} | {'sample' if ts < tp else 'parameter'} |")
         say("")
+    say("### Sample-space SR with the kernel split by rows (dnk.cholesky_distributed), N_s = 10⁵ samples\n")
+    say("| P | N_p | kernel rows | solve: compute | solve: messages | step | memory per rank | replicated solve (every rank) |")
+    say("|---|---|---|---|---|---|---|---|")
+    Ns = 10**5
+    replicated = Ns**3 / 3 / cluster.flops
+    for Np in (10**4, 10**5):
+        for P in (64, 128, 256, 512, 1024):
+            t = row_split_sr_step(cluster, Ns, Np, P)
+            say(f"| {P} | {Np:.0e} | {_ms(t['kernel'])} | {_ms(t['compute'])} | {_ms(t['communication'])} "
+                f"| {_ms(t['total'])} | {t['bytes_per_rank'] / 2**30:.2f} GiB | {_ms(replicated)}, "
+                f"{8 * Ns**2 / 2**30:.0f} GiB |")
+    say("")
     if args.plots:
         plot(cluster, fit, Path(args.plots))
         where = Path(args.plots).resolve() / "scaling_cluster.png"

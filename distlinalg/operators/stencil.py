@@ -432,8 +432,8 @@ class SymmetricStencil2D(LinearOperator):
     south-west, south and south-east are held: five coefficient arrays read
     per product instead of nine. The coarse levels of
     :func:`distlinalg.solvers.multigrid` are these when A is symmetric or
-    Hermitian; they are bound by memory bandwidth (3.1 ms per product of
-    :class:`Stencil2D` at 1000 × 1000).
+    Hermitian: a stencil's product is bound by memory bandwidth, so fewer
+    arrays read make a faster product (docs/preconditioners.md).
 
     Attributes:
       centre: (rows, nx), this rank's diagonal.
@@ -547,11 +547,10 @@ def symmetric_stencil(coefficients: Any, grid: StencilGrid, comm: Any = None, *,
 def apply_stencil(coefficients: jax.Array, v: jax.Array, row_partition: Partition, comm: Communicator) -> jax.Array:
     """Σ_ab c[a, b] ⊙ (v shifted by (a − 1, b − 1)) on this rank's grid rows (flat in, flat out).
 
-    The halo rows are concatenated onto the block. Tried: shifts inside the
-    block with the halo row selected by row index (the Laplacian's way):
-    3.7 against 3.1 ms per product at 1000 × 1000 (level 1 of multigrid at
-    n = 2000), which reads nine coefficient arrays and is at the memory
-    bandwidth either way.
+    The halo rows are concatenated onto the block: the product reads nine
+    coefficient arrays and is bound by memory bandwidth, and the Laplacian's
+    way (shifts inside the block, the halo row selected by row index) was
+    slower here (docs/preconditioners.md, "What was tried").
     """
     mine, up, down = grid_neighbours(row_partition, comm)
     if not mine:

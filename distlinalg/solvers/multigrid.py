@@ -28,8 +28,8 @@ The hierarchy (built once, by :func:`multigrid`):
   3 × 3 points has them found by probing: A applied to the 9 indicator
   vectors of the grid points (J mod 3, K mod 3) gives every coefficient,
   because two points of a class are at least three apart (9 products at
-  setup). Probing R A P as well, as this module did first, made the setup
-  at n = 2000 (1 rank) 0.78 s; with the algebra it is 0.45-0.5 s.
+  setup). Probing R A P as well, as this module did first, cost more than
+  half a solve at n = 2000 (docs/preconditioners.md, "What was tried").
 * Smoothing. Chebyshev (default; degree 2: one matvec) or damped Jacobi, in
   D⁻¹A on the interval [hi/4, hi], hi the Gershgorin bound of D⁻¹A (an upper
   bound: so the smoother converges and the cycle is positive definite). No
