@@ -9,6 +9,8 @@ products of blocks are local matrices summed over ranks in one allreduce
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -103,12 +105,28 @@ def ordering(theta: Any, which: str) -> Any:
 
 # ---------------------------------------------------------------------------
 # Blocks
+GRAM_CHUNK = 1024  # the contraction of a long Gram product, split into rows of this many entries
+
+
 def local_gram(X: Any, Y: Any) -> Any:
     """This rank's part of Xᴴ Y: (rows of X, rows of Y)."""
-    parts = [jnp.einsum("i...,j...->ij", jnp.conj(Xl), Yl, precision=jax.lax.Precision.HIGHEST)
-             .reshape(Xl.shape[0], Yl.shape[0])
-             for Xl, Yl in zip(jax.tree_util.tree_leaves(X), jax.tree_util.tree_leaves(Y))]
-    return sum(parts)
+    return sum(_leaf_gram(Xl, Yl) for Xl, Yl in zip(jax.tree_util.tree_leaves(X), jax.tree_util.tree_leaves(Y)))
+
+
+def _leaf_gram(Xl: Any, Yl: Any) -> Any:
+    """Xlᴴ Yl over every axis but the first. XLA's CPU dot contracting one long minor axis of both
+    operands runs far below the memory bandwidth; the same sum over (n / GRAM_CHUNK, GRAM_CHUNK)
+    is a dot over two axes, which it runs 2.4x faster for 10 vectors of 10⁶ (the rest of the
+    length, below one chunk, is its own small dot)."""
+    a, b = jnp.conj(Xl).reshape(Xl.shape[0], -1), Yl.reshape(Yl.shape[0], -1)
+    n = a.shape[1]
+    whole = n // GRAM_CHUNK * GRAM_CHUNK
+    dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+    if whole < 16 * GRAM_CHUNK:
+        return dot("ik,jk->ij", a, b)
+    out = dot("ipq,jpq->ij", a[:, :whole].reshape(a.shape[0], -1, GRAM_CHUNK),
+              b[:, :whole].reshape(b.shape[0], -1, GRAM_CHUNK))
+    return out if whole == n else out + dot("ik,jk->ij", a[:, whole:], b[:, whole:])
 
 
 def grams(red: Reductions, pairs: Sequence[tuple[Any, Any]], also: Sequence[Any] = ()) -> list[Any]:

@@ -441,3 +441,28 @@ def test_three_allreduces_per_step_in_the_sharded_layout(comm, method):
     bodies = list(_loop_bodies(jaxpr))
     step = [b for b in bodies if not list(_loop_bodies(b))][0] if method == "lanczos" else bodies[0]
     assert _allreduces(step) == 3
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.complex128])
+def test_block_grams_of_long_uneven_vectors(comm, rank, size, dtype):
+    """The Gram products behind LOBPCG and Lanczos (Xᴴ Y over all ranks) on vectors long enough to be
+    summed by chunks, with a remainder, a second leaf, and a different length on every rank."""
+    import sys
+
+    eigen = sys.modules["distlinalg.solvers._eigen"]
+    from distlinalg.solvers._common import Reductions
+
+    lengths = [17 * eigen.GRAM_CHUNK + 5 + 1000 * r for r in range(size)]
+    rng = np.random.default_rng(11)
+
+    def draw(rows, n):
+        x = rng.standard_normal((rows, n))
+        return x + 1j * rng.standard_normal((rows, n)) if dtype == jnp.complex128 else x
+
+    X_all, Y_all = [draw(3, n) for n in lengths], [draw(4, n) for n in lengths]
+    small_X, small_Y = draw(3, 7), draw(4, 7)  # a short second leaf (the same on every rank)
+    X = {"long": jnp.asarray(X_all[rank]), "short": jnp.asarray(small_X)}
+    Y = {"long": jnp.asarray(Y_all[rank]), "short": jnp.asarray(small_Y)}
+    G = jax.jit(lambda X, Y: eigen.grams(Reductions("sharded", distlinalg.comm.communicator()), [(X, Y)])[0])(X, Y)
+    expected = sum(x.conj() @ y.T for x, y in zip(X_all, Y_all)) + size * (small_X.conj() @ small_Y.T)
+    np.testing.assert_allclose(np.asarray(G), expected, rtol=1e-12, atol=1e-10)
