@@ -114,15 +114,19 @@ def local_gram(X: Any, Y: Any) -> Any:
 
 
 def _leaf_gram(Xl: Any, Yl: Any) -> Any:
-    """Xlᴴ Yl over every axis but the first. XLA's CPU dot contracting one long minor axis of both
-    operands runs far below the memory bandwidth; the same sum over (n / GRAM_CHUNK, GRAM_CHUNK)
-    is a dot over two axes, which it runs 2.4x faster for 10 vectors of 10⁶ (the rest of the
-    length, below one chunk, is its own small dot)."""
+    """Xlᴴ Yl over every axis but the first.
+
+    XLA's CPU dot of two blocks of vectors, contracting one long minor axis of both, runs far
+    below the memory bandwidth; the same sum over (n / GRAM_CHUNK, GRAM_CHUNK) is a dot over two
+    axes, which made LOBPCG's iteration 3x faster (k = 10 vectors of 10⁶; the rest of the length,
+    below one chunk, is its own small dot). Against a single vector (Lanczos' basis dots, a
+    matrix-vector product) the plain dot is the fast one, and stays.
+    """
     a, b = jnp.conj(Xl).reshape(Xl.shape[0], -1), Yl.reshape(Yl.shape[0], -1)
     n = a.shape[1]
     whole = n // GRAM_CHUNK * GRAM_CHUNK
     dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
-    if whole < 16 * GRAM_CHUNK:
+    if whole < 16 * GRAM_CHUNK or a.shape[0] == 1 or b.shape[0] == 1:
         return dot("ik,jk->ij", a, b)
     out = dot("ipq,jpq->ij", a[:, :whole].reshape(a.shape[0], -1, GRAM_CHUNK),
               b[:, :whole].reshape(b.shape[0], -1, GRAM_CHUNK))

@@ -463,6 +463,10 @@ def test_block_grams_of_long_uneven_vectors(comm, rank, size, dtype):
     small_X, small_Y = draw(3, 7), draw(4, 7)  # a short second leaf (the same on every rank)
     X = {"long": jnp.asarray(X_all[rank]), "short": jnp.asarray(small_X)}
     Y = {"long": jnp.asarray(Y_all[rank]), "short": jnp.asarray(small_Y)}
-    G = jax.jit(lambda X, Y: eigen.grams(Reductions("sharded", distlinalg.comm.communicator()), [(X, Y)])[0])(X, Y)
+    def gram(X, Y):
+        return jax.jit(lambda X, Y: eigen.grams(Reductions("sharded", distlinalg.comm.communicator()), [(X, Y)])[0])(X, Y)
+
     expected = sum(x.conj() @ y.T for x, y in zip(X_all, Y_all)) + size * (small_X.conj() @ small_Y.T)
-    np.testing.assert_allclose(np.asarray(G), expected, rtol=1e-12, atol=1e-10)
+    np.testing.assert_allclose(np.asarray(gram(X, Y)), expected, rtol=1e-12, atol=1e-10)
+    first = jax.tree_util.tree_map(lambda leaf: leaf[:1], Y)  # against one vector: the plain dot
+    np.testing.assert_allclose(np.asarray(gram(X, first)), expected[:, :1], rtol=1e-12, atol=1e-10)
