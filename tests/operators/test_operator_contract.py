@@ -96,6 +96,20 @@ def _gauss_newton(comm):
                             {"w": jnp.asarray([0.1, -0.2, 0.3]), "c": jnp.asarray(0.2)}, X, comm=comm)
 
 
+def _stencil_coefficients(comm, ny=5, nx=4):
+    """Random (3, 3, rows, nx) coefficients of this rank's grid rows (an uneven split at 2 ranks)."""
+    sizes = [ny] if comm.Get_size() == 1 else [2] + [0] * (comm.Get_size() - 2) + [ny - 2]
+    partition = ops.Partition.from_sizes(sizes)
+    r = comm.Get_rank()
+    c = np.random.default_rng(4).standard_normal((3, 3, ny, nx))
+    return jnp.asarray(c[:, :, partition.starts[r] : partition.starts[r + 1]])
+
+
+def _symmetric_stencil(comm):
+    c = _stencil_coefficients(comm)
+    return ops.symmetric_stencil(c, ops.stencil_2d(c, comm=comm).stencil_grid, comm)
+
+
 OPERATORS = {
     "dense": _dense,
     "function": _function,
@@ -104,6 +118,8 @@ OPERATORS = {
     "sparse_rows": _sparse,
     "sparse_rows_overlapped": lambda comm: _sparse(comm, "overlapped"),
     "laplacian_2d": lambda comm: ops.laplacian_2d(4, comm=comm),
+    "stencil_2d": lambda comm: ops.stencil_2d(_stencil_coefficients(comm), comm=comm),
+    "symmetric_stencil": _symmetric_stencil,
     "gram": _gram,
     "gram_complex_mode": lambda comm: _gram(comm, rbm_with_phase, "complex"),
     "sample_gram": lambda comm: ops.sample_gram(rbm, params_of(np.float64), _samples(comm), diag_shift=0.1,
