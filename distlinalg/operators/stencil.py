@@ -528,9 +528,25 @@ def symmetric_stencil(coefficients: Any, grid: StencilGrid, comm: Any = None, *,
     one halo exchange brings the row above's. Couplings beyond the grid
     must be zero. ``hermitian``: mirrored couplings are conjugated (complex
     coefficients).
+
+    Errors: coefficients that are not (3, 3, this rank's grid rows, nx) on
+    some rank raise the same ValueError on every rank, before the halo
+    exchange (one exchange of a flag per rank).
     """
     comm = resolve_comm(comm)
     coefficients = jnp.asarray(coefficients)
+    expected = (3, 3, grid.row_partition.size_of(comm.rank), grid.shape[1])
+    flags = exchange_rows(np.asarray([coefficients.shape != expected]), comm)[:, 0]
+    if flags.any():
+        raise ValueError(f"distlinalg.operators.symmetric_stencil: the coefficients must be (3, 3, rows, nx) of each "
+                         f"rank's grid rows; rank(s) {np.flatnonzero(flags).tolist()} passed another shape "
+                         f"(rank {comm.rank}: {coefficients.shape}, expected {expected})")
+    return half_stored_stencil(coefficients, grid, comm, hermitian=hermitian)
+
+
+def half_stored_stencil(coefficients: jax.Array, grid: StencilGrid, comm: Communicator, *,
+                        hermitian: bool = False) -> SymmetricStencil2D:
+    """:func:`symmetric_stencil` without its check (for coefficients of known shape: multigrid's levels)."""
     mine, up, down = grid_neighbours(grid.row_partition, comm)
     nx = grid.shape[1]
     forward = jnp.stack([coefficients[1, 2], coefficients[2, 0], coefficients[2, 1], coefficients[2, 2]])

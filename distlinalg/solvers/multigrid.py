@@ -56,7 +56,7 @@ from .._runtime.mpi import Communicator, ReduceOp
 from ..comm.allreduce import allreduce
 from ..operators import LinearOperator, linearise, operator_class, static
 from ..operators._partition import Partition
-from ..operators.stencil import Stencil2D, StencilGrid, grid_neighbours, halo_rows, stencil_entries, symmetric_stencil
+from ..operators.stencil import Stencil2D, StencilGrid, grid_neighbours, halo_rows, stencil_entries, half_stored_stencil
 from ._arguments import agree_options
 from .chebyshev import chebyshev_polynomial
 
@@ -488,7 +488,7 @@ def _coarse_operator(coefficients: jax.Array, grid: StencilGrid, A: Any, comm: C
     """R A P as an operator: stored by half its couplings where A is symmetric or Hermitian (so is R A P:
     R = Pᵀ), which the cycle reads five coefficient arrays of instead of nine."""
     if A.symmetric or A.hermitian:
-        return symmetric_stencil(coefficients, grid, comm, hermitian=bool(A.hermitian and not A.symmetric))
+        return half_stored_stencil(coefficients, grid, comm, hermitian=bool(A.hermitian and not A.symmetric))
     return Stencil2D(coefficients=coefficients, shape=grid.shape, row_partition=grid.row_partition, comm=comm)
 
 

@@ -276,6 +276,10 @@ def test_bad_input_raises_on_every_rank(comm, rank, size):
         (lambda: dl.solvers.multigrid(A, cycle="F"), "cycle must be one of"),
         (lambda: dl.solvers.multigrid(A, degree=2 + (rank == size - 1) * (size > 1)),
          "passed different options" if size > 1 else None),
+        # One rank's coefficients of the wrong shape: the same error on every rank, before any halo.
+        (lambda: dl.operators.symmetric_stencil(
+            jnp.zeros((3, 3, A.row_partition.size_of(rank) + (rank == size - 1), 16)), A.stencil_grid),
+         "passed another shape"),
         (lambda: dl.solvers.chebyshev(A, degree=0), "degree must be an int >= 1"),
         (lambda: dl.solvers.chebyshev(A, bounds=(2.0, 1.0)), "0 < lo < hi"),
         (lambda: dl.cg(laplacian_2d(12), jnp.ones(laplacian_2d(12).input_structure.shape),
