@@ -199,9 +199,10 @@ def stencil_coefficients(A: Any, grid: StencilGrid, comm: Communicator, dtype: A
         return probe_coefficients(linearise(A).matvec, grid, comm, dtype)
     rows, nx = grid.row_partition.size_of(comm.rank), grid.shape[1]
     coefficients = jnp.asarray(method(), dtype)
-    if coefficients.shape != (3, 3, rows, nx):
-        raise ValueError(f"distlinalg.solvers.multigrid: {type(A).__name__}.stencil_coefficients() must have shape "
-                         f"(3, 3, {rows}, {nx}) on rank {comm.rank}, got {coefficients.shape}")
+    problem = "" if coefficients.shape == (3, 3, rows, nx) else (
+        f"{type(A).__name__}.stencil_coefficients() must have shape (3, 3, {rows}, {nx}) on rank {comm.rank}, "
+        f"got {coefficients.shape}")
+    agree_options("distlinalg.solvers (a stencil's coefficients)", problem, "", comm)  # on every rank, before a halo
     return inside_grid(coefficients, grid, comm)
 
 

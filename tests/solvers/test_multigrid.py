@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import distlinalg as dl
-from distlinalg.operators import Partition, laplacian_2d, stencil_2d
+from distlinalg.operators import Laplacian2D, Partition, laplacian_2d, operator_class, static, stencil_2d
 
 from conftest import assert_no_failures, failure_of, uneven_partition
 
@@ -264,6 +264,17 @@ def test_chebyshev_preconditioner(comm, rank, size):
 
 
 @pytest.mark.max_ranks(2)
+@operator_class
+class _WrongCoefficients(Laplacian2D):
+    """A Laplacian whose stencil_coefficients() has one row too many where `wrong`."""
+
+    wrong: bool = static(default=False)
+
+    def stencil_coefficients(self):
+        c = Laplacian2D.stencil_coefficients(self)
+        return jnp.concatenate([c, c[:, :, :1]], axis=2) if self.wrong else c
+
+
 def test_bad_input_raises_on_every_rank(comm, rank, size):
     A = laplacian_2d(16, row_partition=uneven_partition(16, size))
     cases = [
@@ -280,6 +291,7 @@ def test_bad_input_raises_on_every_rank(comm, rank, size):
         (lambda: dl.operators.symmetric_stencil(
             jnp.zeros((3, 3, A.row_partition.size_of(rank) + (rank == size - 1), 16)), A.stencil_grid),
          "passed another shape"),
+        (lambda: dl.solvers.multigrid(_WrongCoefficients(n=16, row_partition=A.row_partition, dtype=A.dtype, comm=A.comm, wrong=rank == size - 1)), "stencil_coefficients"),
         (lambda: dl.solvers.chebyshev(A, degree=0), "degree must be an int >= 1"),
         (lambda: dl.solvers.chebyshev(A, bounds=(2.0, 1.0)), "0 < lo < hi"),
         (lambda: dl.cg(laplacian_2d(12), jnp.ones(laplacian_2d(12).input_structure.shape),
