@@ -508,15 +508,13 @@ class SymmetricStencil2D(LinearOperator):
 
     def stencil_coefficients(self) -> jax.Array:
         """This rank's (3, 3, rows, nx) coefficients, the mirrored half unfolded."""
-        nx, rows = self.shape[1], self.centre.shape[0]
+        nx, rows = self.shape[1], self.centre.shape[0]  # rows may be 0: every slice below is then empty
         F = self.forward
         mirrored = jnp.conj(F) if self.conjugate else F
-        zero = jnp.zeros_like(self.centre)
         north = [mirrored[3, :rows, :nx], mirrored[2, :rows, 1 : nx + 1], mirrored[1, :rows, 2:]]
         middle = [mirrored[0, 1:, :nx], self.centre, F[0, 1:, 1 : nx + 1]]
         south = [F[1, 1:, 1 : nx + 1], F[2, 1:, 1 : nx + 1], F[3, 1:, 1 : nx + 1]]
-        return jnp.stack([jnp.stack(row) for row in (north, middle, south)]) if rows else jnp.stack(
-            [jnp.stack([zero] * 3)] * 3)
+        return jnp.stack([jnp.stack(row) for row in (north, middle, south)])
 
 
 def symmetric_stencil(coefficients: Any, grid: StencilGrid, comm: Any = None, *,
