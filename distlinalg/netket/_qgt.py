@@ -8,17 +8,20 @@ interface (``@``, ``solve(solve_fun, y, x0=...)``, ``to_dense()``,
 ``to_real_part()``/``to_imag_part()``), so that ``nk.optimizer.SR`` and any code
 calling ``vstate.quantum_geometric_tensor(...)`` runs unchanged:
 
+Both compute with the operators' Jacobian at NetKet's model (:mod:`._model`):
+
 * ``QGTJacobianDense`` / ``QGTJacobianPyTree``: this rank's rows of the
-  centred Jacobian  Ō = (O − 1 μ) / √N,  μ = Σ_all O_k / N  (one
-  parameter-sized allreduce at construction; with ``diag_scale`` the column
-  norms of all N rows, a second one). A product is  S v = Σ_ranks Ō_rᴴ (Ō_r v)
-  + λ v: one parameter-sized allreduce; ``to_dense()`` sums each rank's
-  n × n block Ō_rᴴ Ō_r (the Jacobian is never gathered).
-* ``QGTOnTheFly``: S v = conj(Oᵀ conj(w − w̄)) + λ v with w = O v / N (NetKet's
-  formula, a JVP and a VJP of this rank's samples). The mean w̄ over all N
-  samples enters through two parameter vectors computed once, m₁ = Σ_all Oᵀ 1
-  and m_i = Σ_all Oᵀ i (the transpose is real-linear in its cotangent), so a
-  product is one JVP, one VJP and one parameter-sized allreduce.
+  centred Jacobian  Ō = (O − 1 μ) / √N,  μ = Σ_all O_k / N  (the Jacobian's
+  ``local_rows``, in its chunks; one parameter-sized allreduce for μ; with
+  ``diag_scale`` the column norms of all N rows, a second one). A product is
+  S v = Σ_ranks Ō_rᴴ (Ō_r v) + λ v: one parameter-sized allreduce;
+  ``to_dense()`` sums each rank's n × n block Ō_rᴴ Ō_r (the Jacobian is never
+  gathered).
+* ``QGTOnTheFly``: S v = Ōᴴ Ō v / N + λ v, the operators' Gram product
+  (:func:`distlinalg.operators.gram`'s): one JVP, one VJP and one
+  parameter-sized allreduce. The model is linearised once per QGT (the
+  mean row: one allreduce), and with ``chunk_size`` re-linearised chunk by
+  chunk in every product, as NetKet's chunked product does.
 
 The subclasses keep NetKet's solve paths (the real-dense format of the
 Jacobian types, the pytree format of the on-the-fly type), so a solver runs
@@ -31,7 +34,6 @@ the global one).
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from typing import Any
 
@@ -45,9 +47,11 @@ from netket.optimizer.qgt.qgt_jacobian_dense import QGTJacobianDenseT, convert_t
 from netket.optimizer.qgt.qgt_jacobian_pytree import QGTJacobianPyTreeT
 from netket.optimizer.qgt.qgt_onthefly import QGTOnTheFlyT
 from netket.optimizer.qgt.common import check_valid_vector_type
-from netket.utils import HashablePartial
 
 from ..comm.fused import tree_allreduce
+from ..operators import Linearisation, ModelPoint
+from ..operators.gram import gram_apply
+from ._model import complex_output, dense_rows, from_model_space, model_point, rows_as_tree, to_model_space
 
 __all__ = ["DistributedQGTJacobianDenseT", "DistributedQGTJacobianPyTreeT", "DistributedQGTOnTheFlyT",
            "distributed_qgt", "QGT_KINDS"]
@@ -197,20 +201,20 @@ class DistributedQGTJacobianPyTreeT(QGTJacobianPyTreeT):
 @functools.partial(jax.jit, static_argnames=("apply_fun", "mode", "dense", "chunk_size", "comm", "rescale"))
 def centred_jacobian(apply_fun: Any, params: Any, model_state: Any, samples: jax.Array, offset: Any, *, mode: str,
                      dense: bool, chunk_size: int | None, comm: Any, rescale: bool) -> tuple[Any, Any]:
-    """This rank's rows of (O − 1 μ)/√N over all N samples, and with `rescale` the
-    column scale √(Σ_all |Ō|² + offset) they are divided by (Becca–Sorella)."""
-    jac = nkjax.jacobian(apply_fun, params, samples, model_state, mode=mode, chunk_size=chunk_size, dense=dense,
-                         center=False)
-    n_total = samples.shape[0] * comm.size  # every rank holds the same number of samples
-    mean = tmap(lambda s: s / n_total, sum_over_ranks(tmap(lambda x: jnp.sum(x, axis=0), jac), comm))
-    sqrt_n = math.sqrt(n_total)
-    jac = tmap(lambda x, m: (x - m[None]) / sqrt_n, jac, mean)
-    if not rescale:
-        return jac, None
-    sample_axes = 2 if mode == "complex" else 1  # (sample, Re/Im channel) for complex outputs
-    squares = tmap(lambda x: jnp.sum((x * jnp.conj(x)).real, axis=tuple(range(sample_axes))), jac)
-    scale = tmap(lambda s: (s + offset) ** 0.5, sum_over_ranks(squares, comm))
-    return tmap(lambda x, s: x / s, jac, scale), scale
+    """This rank's rows of (O − 1 μ)/√N over all N samples (the operators' Jacobian, in
+    NetKet's layout: dense, or a pytree), and with `rescale` the column scale
+    √(Σ_all |Ō|² + offset) they are divided by (Becca–Sorella)."""
+    jacobian = model_point(apply_fun, params, model_state, samples, mode=mode, comm=comm,
+                           chunk_size=chunk_size).jacobian()
+    rows = dense_rows(jacobian)
+    scale = None
+    if rescale:
+        squares = jnp.sum((rows * jnp.conj(rows)).real, axis=tuple(range(rows.ndim - 1)))
+        scale = (sum_over_ranks(squares, comm) + offset) ** 0.5
+        rows = rows / scale
+    if dense:
+        return rows, scale
+    return rows_as_tree(rows, jacobian), (None if scale is None else rows_as_tree(scale, jacobian))
 
 
 def shift_and_offset(diag_shift: Any, diag_scale: Any) -> tuple[Any, Any]:
@@ -258,84 +262,21 @@ class DistributedQGTOnTheFlyT(QGTOnTheFlyT):
         return f"distlinalg.netket QGTOnTheFly(diag_shift={self.diag_shift}, ranks={self.comm.size})"
 
 
-def _chunks(samples: jax.Array, chunk_size: int) -> tuple[jax.Array, jax.Array]:
-    """(n_chunks, chunk_size, ...) samples padded with copies of the first, and their masks."""
-    n = samples.shape[0]
-    n_chunks = -(-n // chunk_size)
-    padded = jnp.concatenate([samples, jnp.broadcast_to(samples[:1], (n_chunks * chunk_size - n, *samples.shape[1:]))])
-    mask = (jnp.arange(n_chunks * chunk_size) < n).reshape(n_chunks, chunk_size)
-    return padded.reshape(n_chunks, chunk_size, *samples.shape[1:]), mask
+def onthefly_product(point: ModelPoint, linearisation: Linearisation, v: Any, diag_shift: Any) -> Any:
+    """(S + λ) v over all ranks' samples: the operators' Gram product ŌᴴŌ v / N + λ v at
+    NetKet's model (v shaped like the parameters; NetKet's S in its mode)."""
+    jacobian = point.linearise(linearisation)
+    u = to_model_space(v, point.mode)
+    return from_model_space(gram_apply(jacobian, u, diag_shift, None), v, point.mode)
 
 
-def _chunked_jvp(forward: Any, params: Any, samples: jax.Array, v: Any, chunk_size: int) -> jax.Array:
-    """O v on this rank's samples, (n_local,), `chunk_size` samples at a time."""
-    batches, _ = _chunks(samples, chunk_size)
-    _, out = jax.lax.scan(lambda _, x: (None, jax.jvp(lambda p: forward(p, x), (params,), (v,))[1]), None, batches)
-    return out.reshape(-1)[: samples.shape[0]]
-
-
-def _local_vjp(forward: Any, params: Any, samples: jax.Array, w: jax.Array, chunk_size: int | None) -> Any:
-    """Oᵀ w = Σ_k (∂f_k/∂θ)ᵀ w_k on this rank's samples (real-linear in w)."""
-    if chunk_size is None:
-        return jax.vjp(lambda p: forward(p, samples), params)[1](w)[0]
-    batches, mask = _chunks(samples, chunk_size)
-    padded = jnp.zeros(mask.size, w.dtype).at[: w.shape[0]].set(w).reshape(mask.shape)
-
-    def step(acc: Any, item: Any) -> Any:
-        x, wc = item
-        return tmap(jnp.add, acc, jax.vjp(lambda p: forward(p, x), params)[1](wc)[0]), None
-
-    total, _ = jax.lax.scan(step, tmap(jnp.zeros_like, params), (batches, padded))
-    return total
-
-
-def onthefly_product(apply_fun: Any, comm: Any, n_total: int, chunk_size: int | None, linear: Any, params: Any,
-                     model_state: Any, samples: jax.Array, mean_one: Any, mean_i: Any, v: Any, diag_shift: Any) -> Any:
-    """(S + λ) v over all ranks' samples, S as NetKet's on-the-fly QGT defines it:
-
-        w = O v / N,   S v = conj(Oᵀ conj(w − w̄)),   w̄ = Σ_all w_k / N.
-
-    Oᵀ conj(w̄ 1) = Re(conj w̄) m₁ + Im(conj w̄) m_i (summed over all samples, with
-    m₁ = Σ_all Oᵀ 1, m_i = Σ_all Oᵀ i), and w̄ is the sum of the ranks' shares
-    Σ_local w_k / N, so each rank subtracts its share's term before the one allreduce.
-    """
-    if linear is not None:  # linearised once, at construction (no chunks): O v and Oᵀ w reuse it
-        w = linear(v) / n_total
-        (local,) = jax.linear_transpose(linear, v)(jnp.conj(w))
-    else:  # chunks: the model is evaluated again chunk by chunk, as NetKet's chunked product does
-        forward = functools.partial(_apply_with_state, apply_fun, model_state)
-        w = _chunked_jvp(forward, params, samples, v, chunk_size) / n_total
-        local = _local_vjp(forward, params, samples, jnp.conj(w), chunk_size)
-    share = jnp.conj(jnp.sum(w)) / n_total  # this rank's part of conj(w̄)
-    local = tmap(lambda o, a: o - jnp.real(share) * a, local, mean_one)
-    if mean_i is not None:
-        local = tmap(lambda o, b: o - jnp.imag(share) * b, local, mean_i)
-    product = tmap(jnp.conj, sum_over_ranks(local, comm))
-    return tmap(lambda p, x: p + diag_shift * x, product, v)
-
-
-@functools.partial(jax.jit, static_argnames=("apply_fun", "comm", "chunk_size", "complex_output"))
-def onthefly_means(apply_fun: Any, params: Any, model_state: Any, samples: jax.Array, *, comm: Any,
-                   chunk_size: int | None, complex_output: bool) -> tuple[Any, Any]:
-    """m₁ = Σ_all Oᵀ 1 and (complex outputs) m_i = Σ_all Oᵀ i, one allreduce."""
-    forward = functools.partial(_apply_with_state, apply_fun, model_state)
-    dtype = jax.eval_shape(forward, params, samples[:1]).dtype
-    ones = jnp.ones(samples.shape[0], dtype)
-    pieces = [_local_vjp(forward, params, samples, ones, chunk_size)]
-    if complex_output:
-        pieces.append(_local_vjp(forward, params, samples, 1j * ones, chunk_size))
-    pieces = sum_over_ranks(pieces, comm)
-    return pieces[0], (pieces[1] if complex_output else None)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def linearised(apply_fun: Any, params: Any, model_state: Any, samples: jax.Array) -> Any:
-    """v ↦ O v on this rank's samples, linearised once (a pytree, as NetKet keeps it)."""
-    return jax.linearize(functools.partial(_apply_with_state, apply_fun, model_state, samples=samples), params)[1]
-
-
-def _apply_with_state(apply_fun: Any, model_state: Any, params: Any, samples: jax.Array) -> jax.Array:
-    return apply_fun({"params": params, **model_state}, samples)
+@functools.partial(jax.jit, static_argnames=("apply_fun", "mode", "chunk_size", "comm"))
+def onthefly_linearisation(apply_fun: Any, params: Any, model_state: Any, samples: jax.Array, *, mode: str,
+                           chunk_size: int | None, comm: Any) -> tuple[ModelPoint, Linearisation]:
+    """The point and its linearisation, once per QGT (the mean row: one allreduce; without
+    chunks the model linearised on this rank's samples, kept for every product)."""
+    point = model_point(apply_fun, params, model_state, samples, mode=mode, comm=comm, chunk_size=chunk_size)
+    return point, point.linearise().linearisation
 
 
 def onthefly_qgt(vstate: Any, *, chunk_size: int | None = None, holomorphic: bool | None = None,
@@ -352,25 +293,26 @@ def onthefly_qgt(vstate: Any, *, chunk_size: int | None = None, holomorphic: boo
     if holomorphic:
         if nkjax.tree_leaf_isreal(params):
             raise nk.errors.IllegalHolomorphicDeclarationForRealParametersError()
-        mode = "holomorphic"
+        nk_mode = "holomorphic"
     elif not nkjax.tree_leaf_iscomplex(params):
-        mode = "real"
+        nk_mode = "real"
     else:
         if holomorphic is None:
             warnings.warn(nk.errors.HolomorphicUndeclaredWarning(), UserWarning, stacklevel=3)
-        mode = "complex"
+        nk_mode = "complex"
     nkjax.jacobian_default_mode(vstate._apply_fun, params, model_state, samples, holomorphic=holomorphic)
     comm = vstate._distlinalg_comm
-    output = jax.eval_shape(functools.partial(_apply_with_state, vstate._apply_fun, model_state), params, samples[:1])
-    complex_output = bool(jnp.iscomplexobj(output))
-    mean_one, mean_i = onthefly_means(vstate._apply_fun, params, model_state, samples, comm=comm,
-                                      chunk_size=chunk_size, complex_output=complex_output)
-    n_total = samples.shape[0] * comm.size
-    linear = None if chunk_size is not None else linearised(vstate._apply_fun, params, model_state, samples)
-    product = jax.tree_util.Partial(HashablePartial(onthefly_product, vstate._apply_fun, comm, n_total, chunk_size),
-                                    linear, params, model_state, samples, mean_one, mean_i)
-    return DistributedQGTOnTheFlyT(_mat_vec=product, _params=params, _chunking=chunk_size is not None, _mode=mode,
-                                   comm=comm, **kwargs)
+    # NetKet's on-the-fly S differentiates the complex log ψ itself, whatever its mode's name:
+    # with real parameters it is Re(OᴴŌ) of both parts of a complex output (the Jacobian's
+    # "complex" mode).
+    mode = nk_mode
+    if nk_mode != "holomorphic":
+        mode = "complex" if complex_output(vstate._apply_fun, params, model_state, samples) else "real"
+    point, linearisation = onthefly_linearisation(vstate._apply_fun, params, model_state, samples,
+                                                  mode=mode, chunk_size=chunk_size, comm=comm)
+    product = jax.tree_util.Partial(onthefly_product, point, linearisation)
+    return DistributedQGTOnTheFlyT(_mat_vec=product, _params=params, _chunking=chunk_size is not None,
+                                   _mode=nk_mode, comm=comm, **kwargs)
 
 
 # -- which constructor the user named -------------------------------------------------------------

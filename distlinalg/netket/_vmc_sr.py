@@ -20,9 +20,14 @@ sees the same matrix and right-hand side):
 
   * ``use_ntk=True, on_the_fly=True`` (NetKet's default for the NTK):
     :func:`ntk_onthefly_update`, NetKet's lazy kernel by rows: this rank's rows
-    of the NTK against every rank's samples (the samples are gathered, never a
-    Jacobian), centred with one allreduce; memory per rank is what NetKet's
-    lazy contraction needs for n_r rows, plus the replicated kernel (or its rows).
+    of the NTK against every rank's samples (the samples are gathered; their
+    Jacobian rows are made one block at a time, never for all samples at
+    once), centred with one allreduce; memory per rank is this rank's rows and
+    one block's, plus the replicated kernel (or its rows).
+
+Every Jacobian here is the operators' (:class:`distlinalg.operators.Jacobian`
+at NetKet's model, :mod:`._model`): its rows, chunks, products and the sum of
+its transposed products over ranks.
 
 With a solver of :mod:`._ntk_solvers` (``dnk.cholesky_distributed``,
 ``dnk.pinv_smooth_distributed``, NetKet's ``nan_fallback`` of the two, which
@@ -47,31 +52,26 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import netket.jax as nkjax
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from .._trees import flat_size
 from ..comm import allgather
 from ..operators import Partition
 from ..operators.sample_gram import ring_products
+from ._model import dense_rows, from_model_space, model_point
 from ._ntk_solvers import default_ntk_solver, row_solver
 from ._qgt import flat_samples, sum_over_ranks, tmap
 
 __all__ = ["compute_loss_and_update", "sr_update"]
 
 
-def centred_rows(jac: jax.Array, local_energies: jax.Array, n_total: int, comm: Any, mode: str):
-    """(Ō rows (n_local·k, P), dv (n_local·k,)): NetKet's centred, normalised input
-    with the means over all ranks' samples."""
-    mean_row = sum_over_ranks(jnp.sum(jac, axis=0), comm) / n_total
+def centred_energies(local_energies: jax.Array, n_total: int, comm: Any, mode: str) -> jax.Array:
+    """dv = 2 (e − ē)/√N over all ranks' samples, in the mode's channels: (n_local,), or
+    (n_local, 2) (Re, Im) in "complex" mode."""
     e = local_energies.reshape(-1)
-    de = e - sum_over_ranks(jnp.sum(e), comm) / n_total
-    mass = 1.0 / n_total
-    O = (jac - mean_row[None]) * math.sqrt(mass)
-    dv = 2.0 * de * math.sqrt(mass)
-    if mode == "complex":  # (Re, Im) of each sample adjacent, as NetKet orders them
-        return O.reshape(-1, O.shape[-1]), jnp.stack([jnp.real(dv), jnp.imag(dv)], axis=-1).reshape(-1)
-    return O, jnp.real(dv)
+    dv = 2.0 * (e - sum_over_ranks(jnp.sum(e), comm) / n_total) / math.sqrt(n_total)
+    return jnp.stack([jnp.real(dv), jnp.imag(dv)], axis=-1) if mode == "complex" else jnp.real(dv)
 
 
 def _solution(result: Any) -> tuple[jax.Array, Any]:
@@ -86,12 +86,12 @@ def sr_update(apply_fun: Any, local_energies: jax.Array, params: Any, model_stat
               diag_shift: Any, solver_fn: Any, mode: str, proj_reg: Any, momentum: Any, old_updates: Any,
               chunk_size: int | None, use_ntk: bool, comm: Any) -> tuple[Any, Any, Any]:
     """NetKet's ``VMC_SR`` update (δ, new momentum buffer, solver info) over all ranks' samples."""
-    flat_params, unravel = ravel_pytree(params)
     n_local = samples.shape[0]
-    n_total = n_local * comm.size
-    jac = nkjax.jacobian(apply_fun, params, samples, model_state, mode=mode, dense=True, center=False,
-                         chunk_size=chunk_size)
-    O, dv = centred_rows(jac, local_energies, n_total, comm, mode)
+    jacobian = model_point(apply_fun, params, model_state, samples, mode=mode, comm=comm,
+                           chunk_size=chunk_size).jacobian()
+    # This rank's rows of Ō/√N, (Re, Im) of a sample adjacent in "complex" mode, as NetKet orders them.
+    O = dense_rows(jacobian).reshape(-1, flat_size(jacobian.theta))
+    dv = centred_energies(local_energies, jacobian.n_total, comm, mode).reshape(-1)
     if old_updates is None and momentum is not None:
         old_updates = jnp.zeros(O.shape[-1], O.dtype)
     # NetKet keeps the on-the-fly NTK's momentum buffer as a pytree of the real
@@ -138,144 +138,109 @@ def sr_update(apply_fun: Any, local_energies: jax.Array, params: Any, model_stat
             old_updates = updates
     if buffer_layout is not None:
         old_updates = buffer_layout(old_updates)
-    if mode == "complex" and jnp.iscomplexobj(flat_params):
-        half = updates.shape[-1] // 2
-        updates = updates[:half] + 1j * updates[half:]
-    return unravel(updates), old_updates, info
+    # δ's entries are the columns of the dense rows: NetKet's real parameters ravelled.
+    return from_model_space(ravel_pytree(jacobian.theta)[1](updates), params, mode), old_updates, info
 
 
-def _real_model(apply_fun: Any, rebuild: Any, mode: str) -> Any:
-    """(real parameters, samples, model_state) -> outputs (n,) or (n, 2) in `mode`, as the
-    on-the-fly NTK works with them (complex parameters as real pairs)."""
-
-    def outputs(parameters_real: Any, samples: jax.Array, model_state: Any) -> jax.Array:
-        log_amp = apply_fun({"params": rebuild(parameters_real), **model_state}, samples)
-        if mode == "complex":
-            return jnp.stack([jnp.real(log_amp), jnp.imag(log_amp)], axis=-1)
-        return jnp.real(log_amp)
-
-    return outputs
-
-
-def mean_jacobian_estimate(model: Any, parameters_real: Any, samples: jax.Array, model_state: Any,
-                           n_subset: int = 32) -> Any:
-    """The mean per-sample Jacobian over `n_subset` evenly strided samples: subtracted from
-    every Jacobian block before the NTK contraction so that centring the NTK afterwards does
-    not cancel a large common part (the NTK's centring removes any constant shift). The
-    samples are every rank's, so the estimate is the same on every rank."""
-    k = min(samples.shape[0], n_subset)
-    subset = samples[jnp.arange(k) * (samples.shape[0] // k)]
-    out, pullback = jax.vjp(lambda p: model(p, subset, model_state), parameters_real)
-    if out.ndim == 1:
-        return jax.lax.stop_gradient(pullback(jnp.full(out.shape, 1.0 / k, out.dtype))[0])
-    selectors = jnp.broadcast_to(jnp.eye(out.shape[1], dtype=out.dtype)[:, None, :] / k, (out.shape[1], *out.shape))
-    return jax.lax.stop_gradient(jax.vmap(lambda c: pullback(c)[0])(selectors))
+def mean_jacobian_estimate(apply_fun: Any, params: Any, model_state: Any, everyone: jax.Array, *, mode: str,
+                           comm: Any, n_subset: int = 32) -> jax.Array:
+    """The mean Jacobian row (k, P) over `n_subset` evenly strided samples of `everyone` (every
+    rank's samples, so the estimate is the same on every rank): subtracted from every Jacobian
+    block before the NTK contraction so that centring the NTK afterwards does not cancel a
+    large common part (the NTK's centring removes any constant shift)."""
+    k = min(everyone.shape[0], n_subset)
+    subset = everyone[jnp.arange(k) * (everyone.shape[0] // k)]
+    point = model_point(apply_fun, params, model_state, subset, mode=mode, comm=comm, center=False)
+    rows = point.jacobian().local_rows().reshape(k, point.channels, -1)
+    return jax.lax.stop_gradient(jnp.mean(rows, axis=0))
 
 
-def _chunked_rows(fn: Any, rows: jax.Array, chunk_size: int | None) -> jax.Array:
-    """fn over `rows` (the first axis), `chunk_size` at a time (padding the last chunk)."""
-    if chunk_size is None or chunk_size >= rows.shape[0]:
-        return fn(rows)
-    n = rows.shape[0]
-    n_chunks = -(-n // chunk_size)
-    padded = jnp.concatenate([rows, jnp.broadcast_to(rows[:1], (n_chunks * chunk_size - n, *rows.shape[1:]))])
-    out = jax.lax.map(fn, padded.reshape(n_chunks, chunk_size, *rows.shape[1:]))
-    return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], n_chunks * chunk_size, *out.shape[3:])[:, :n]
+def ntk_block_rows(apply_fun: Any, params: Any, model_state: Any, samples: jax.Array, everyone: jax.Array, *,
+                   mode: str, chunk_size: int | None, comm: Any) -> jax.Array:
+    """This rank's rows of the uncentred NTK O_r O_allᵀ against every sample, (n_r·k, N·k):
+    the operators' Jacobian rows of this rank's samples against those of every rank's samples,
+    one rank's block of columns (or `chunk_size` samples) at a time, both shifted by the mean
+    row's estimate. Memory: this rank's rows and one block's, never the N × P of all samples."""
+    point = model_point(apply_fun, params, model_state, samples, mode=mode, comm=comm, center=False)
+    shift = mean_jacobian_estimate(apply_fun, params, model_state, everyone, mode=mode, comm=comm)
+    mine = (point.jacobian().local_rows().reshape(samples.shape[0], point.channels, -1) - shift[None])
+    mine = mine.reshape(-1, mine.shape[-1])
+    block = chunk_size or samples.shape[0]
+    n_blocks = -(-everyone.shape[0] // block)
+    padded = jnp.concatenate([everyone, jnp.broadcast_to(everyone[:1], (n_blocks * block - everyone.shape[0],
+                                                                          *everyone.shape[1:]))])
+
+    def columns(batch: jax.Array) -> jax.Array:
+        other = model_point(apply_fun, params, model_state, batch, mode=mode, comm=comm, center=False)
+        rows = other.jacobian().local_rows().reshape(block, point.channels, -1) - shift[None]
+        return mine @ rows.reshape(-1, rows.shape[-1]).T  # (n_r·k, block·k)
+
+    out = jax.lax.map(columns, padded.reshape(n_blocks, block, *everyone.shape[1:]))  # (blocks, n_r·k, block·k)
+    out = jnp.moveaxis(out, 0, 1).reshape(mine.shape[0], n_blocks * block * point.channels)
+    return out[:, : everyone.shape[0] * point.channels]
 
 
-def _chunked_pullback(model: Any, parameters_real: Any, samples: jax.Array, model_state: Any, cotangent: jax.Array,
-                      chunk_size: int | None) -> Any:
-    """Σ_k (∂ model_k/∂θ)ᵀ cotangent_k over this rank's samples, `chunk_size` at a time."""
-    n = samples.shape[0]
-    if chunk_size is None or chunk_size >= n:
-        return jax.vjp(lambda p: model(p, samples, model_state), parameters_real)[1](cotangent)[0]
-    n_chunks = -(-n // chunk_size)
-    pad = n_chunks * chunk_size - n
-    batches = jnp.concatenate([samples, jnp.broadcast_to(samples[:1], (pad, *samples.shape[1:]))])
-    weights = jnp.concatenate([cotangent, jnp.zeros((pad, *cotangent.shape[1:]), cotangent.dtype)])
-
-    def step(total: Any, item: Any) -> Any:
-        x, w = item
-        return tmap(jnp.add, total, jax.vjp(lambda p: model(p, x, model_state), parameters_real)[1](w)[0]), None
-
-    total, _ = jax.lax.scan(step, tmap(jnp.zeros_like, parameters_real),
-                            (batches.reshape(n_chunks, chunk_size, *samples.shape[1:]),
-                             weights.reshape(n_chunks, chunk_size, *cotangent.shape[1:])))
-    return total
+def centre_kernel_rows(rows: jax.Array, n_local: int, n_total: int, channels: int, comm: Any) -> jax.Array:
+    """K − (column means) − (row means) + (mean) of this rank's rows (n_r·k, N·k) of the NTK,
+    the means over every rank's samples (one allreduce): the kernel of the centred Jacobian."""
+    rows = rows.reshape(n_local, channels, n_total, channels)
+    column_means = sum_over_ranks(jnp.sum(rows, axis=0, keepdims=True), comm) / n_total
+    row_means = jnp.mean(rows, axis=2, keepdims=True)
+    rows = rows - column_means - row_means + jnp.mean(column_means, axis=2, keepdims=True)
+    return rows.reshape(n_local * channels, n_total * channels)
 
 
 @functools.partial(jax.jit, static_argnames=("apply_fun", "solver_fn", "mode", "chunk_size", "comm"))
 def ntk_onthefly_update(apply_fun: Any, local_energies: jax.Array, params: Any, model_state: Any,
                         samples: jax.Array, *, diag_shift: Any, solver_fn: Any, mode: str, proj_reg: Any,
                         momentum: Any, old_updates: Any, chunk_size: int | None, comm: Any) -> tuple[Any, Any, Any]:
-    """``VMC_SR(use_ntk=True, on_the_fly=True)`` over all ranks' samples, without forming Jacobians.
+    """``VMC_SR(use_ntk=True, on_the_fly=True)`` over all ranks' samples, without a Jacobian of all samples.
 
     NetKet's lazy formulation, distributed by its rows: this rank's rows of the NTK against
-    every rank's samples (the samples, N × sites, are gathered; the Jacobian never exists),
-    centred with the column means of all rows (one allreduce), gathered into the replicated
-    N·k × N·k kernel for NetKet's solver; δ = Σ_ranks Ō_rᵀ x_r (one VJP, one allreduce).
+    every rank's samples (the samples, N × sites, are gathered; their Jacobian rows are made a
+    block at a time, :func:`ntk_block_rows`), centred with the column means of all rows (one
+    allreduce), solved split by rows or gathered into the replicated N·k × N·k kernel for
+    NetKet's solver; δ = Σ_ranks O_rᵀ x_r (the Jacobian's VJP: one allreduce).
     """
-    from netket.jax import _ntk
-
-    parameters_real, rebuild = nkjax.tree_to_real(params)
-    model = _real_model(apply_fun, rebuild, mode)
-    n_local = samples.shape[0]
-    n_total = n_local * comm.size
+    point = model_point(apply_fun, params, model_state, samples, mode=mode, comm=comm, chunk_size=chunk_size,
+                        center=False)
+    jacobian = point.jacobian()
+    n_local, n_total, channels = point.n_local, point.n_total, point.channels
     everyone = allgather(samples, comm=comm).reshape(n_total, *samples.shape[1:]) if comm.size > 1 else samples
-    # The right-hand side: 2 (e − ē)/√N, in the channels of the mode.
-    e = local_energies.reshape(-1)
-    de = e - sum_over_ranks(jnp.sum(e), comm) / n_total
-    dv = 2.0 * de / math.sqrt(n_total)
-    dv = jnp.stack([jnp.real(dv), jnp.imag(dv)], axis=-1) if mode == "complex" else jnp.real(dv)
+    dv = centred_energies(local_energies, n_total, comm, mode).reshape(n_local, channels)
     if momentum is not None:
-        if old_updates is None:
-            old_updates = tmap(jnp.zeros_like, parameters_real)
+        if old_updates is None:  # NetKet's buffer: a pytree of its real parameters
+            old_updates = tmap(jnp.zeros_like, jacobian.theta)
         else:  # SPRING: dv − μ Ō δ_old, Ō δ_old centred over all samples
-            previous = _chunked_rows(lambda x: jax.jvp(lambda p: model(p, x, model_state), (parameters_real,),
-                                                      (old_updates,))[1][None], samples, chunk_size)[0]
+            previous = jacobian.jvp(old_updates)
             mean = sum_over_ranks(jnp.sum(previous, axis=0), comm) / n_total
             dv = dv - momentum * (previous - mean) / math.sqrt(n_total)
+    rows = ntk_block_rows(apply_fun, params, model_state, samples, everyone, mode=mode, chunk_size=chunk_size,
+                          comm=comm)
+    rows = centre_kernel_rows(rows, n_local, n_total, channels, comm) / n_total
     rows_solver = row_solver(solver_fn) if comm.size > 1 else None
-    # This rank's rows of the NTK against every sample, then centred: K − col − row + mean.
-    shift = mean_jacobian_estimate(model, parameters_real, everyone, model_state)
-    contraction = _ntk.empirical_ntk_by_jacobian(f=model, trace_axes=(), vmap_axes=0)
-    # Columns one rank's block at a time (or `chunk_size`): the contraction then holds this
-    # rank's Jacobian and one block's, 2 n_r × P, never the N × P of all samples.
-    rows = _chunked_rows(lambda columns: contraction(samples, columns, parameters_real, model_state=model_state,
-                                                     jacobian_shift=shift).real, everyone, chunk_size or n_local)
-    if mode == "complex":  # (n_r, N, 2, 2)
-        column_means = sum_over_ranks(jnp.sum(rows, axis=0, keepdims=True), comm) / n_total
-        row_means = jnp.mean(rows, axis=1, keepdims=True)
-        rows = rows - column_means - row_means + jnp.mean(column_means, axis=1, keepdims=True)
-        rows = jnp.transpose(rows, (0, 2, 1, 3)).reshape(2 * n_local, 2 * n_total)
-    else:
-        column_means = sum_over_ranks(jnp.sum(rows, axis=0, keepdims=True), comm) / n_total
-        rows = rows - column_means - jnp.mean(rows, axis=1, keepdims=True) + jnp.mean(column_means)
     if rows_solver is not None:  # the kernel stays split by rows: this rank's rows of x
-        kernel = _add_to_my_diagonal(rows / n_total, diag_shift, comm)
+        kernel = _add_to_my_diagonal(rows, diag_shift, comm)
         if proj_reg is not None:
             kernel = kernel + proj_reg / n_total  # as NetKet's on-the-fly NTK (per sample, not per row)
         x, info = _solution(rows_solver(kernel, dv.reshape(-1), comm))
-        mine = x.reshape(dv.shape)
-        # Centres Ō's rows: the mean over every rank's samples.
-        mine = (mine - sum_over_ranks(jnp.sum(mine, axis=0, keepdims=True), comm) / n_total) / math.sqrt(n_total)
+        mine = x.reshape(n_local, channels)
+        mine = mine - sum_over_ranks(jnp.sum(mine, axis=0, keepdims=True), comm) / n_total  # centred as Ō's rows
     else:
-        rhs = allgather(dv, comm=comm).reshape(n_total, *dv.shape[1:]) if comm.size > 1 else dv
-        kernel = _gather_rows(rows / n_total, comm) if comm.size > 1 else rows / n_total
+        rhs = allgather(dv, comm=comm).reshape(-1) if comm.size > 1 else dv.reshape(-1)
+        kernel = _gather_rows(rows, comm) if comm.size > 1 else rows
         kernel = kernel + diag_shift * jnp.eye(kernel.shape[0], dtype=kernel.dtype)
         if proj_reg is not None:
             kernel = kernel + proj_reg / n_total  # as NetKet's on-the-fly NTK (per sample, not per row)
-        x, info = _solution(solver_fn(kernel, rhs.reshape(-1)))
-        x = jnp.squeeze(x)
-        if mode == "complex":
-            x = x.reshape(n_total, 2)
-        x = (x - jnp.mean(x, axis=0, keepdims=True)) / math.sqrt(n_total)  # centres Ō's rows
+        x, info = _solution(solver_fn(kernel, rhs))
+        x = jnp.squeeze(x).reshape(n_total, channels)
+        x = x - jnp.mean(x, axis=0, keepdims=True)  # centred as Ō's rows
         mine = x[comm.rank * n_local : (comm.rank + 1) * n_local]
-    updates = sum_over_ranks(_chunked_pullback(model, parameters_real, samples, model_state, mine, chunk_size), comm)
+    updates = jacobian.vjp(mine / math.sqrt(n_total))  # δ = Ōᵀ x summed over ranks
     if momentum is not None:
         updates = tmap(lambda u, o: u + momentum * o, updates, old_updates)
         old_updates = updates
-    return rebuild(updates), old_updates, info
+    return from_model_space(updates, params, mode), old_updates, info
 
 
 def _check_solver(solver_fn: Any) -> None:

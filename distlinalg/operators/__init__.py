@@ -20,7 +20,7 @@ from .._trees import Structure
 from ._base import LAYOUTS  # noqa: F401  (the layout names, for users' checks)
 from ._base import FunctionOperator, LinearOperator, linearise, operator_class, static
 from ._convert import aslinearoperator
-from ._jacobian import Jacobian, ModelPoint
+from ._jacobian import Jacobian, Linearisation, ModelPoint
 from ._partition import Partition
 from .curvature import GaussNewtonOperator, HessianOperator, LossPoint, gauss_newton, hessian
 from .dense import Dense, DenseColumns, DenseRows  # noqa: F401  (short aliases of the operator classes)
@@ -41,6 +41,7 @@ __all__ = [
     "Partition",
     "ModelPoint",
     "Jacobian",
+    "Linearisation",
     "LossPoint",
     "DenseOperator",
     "DenseRowsOperator",

@@ -176,6 +176,9 @@ class ModelPoint:
     nothing and never communicates.
 
     Attributes:
+      state: arrays f reads but is not differentiated in (a model's batch
+        statistics, NetKet's ``model_state``), a child; with a state, f is
+        called as ``f(params, samples, state)``. None: ``f(params, samples)``.
       mode: "real", "complex" or "holomorphic".
       counts: every rank's sample count; ``n_local``, ``n_total``.
       split: whether θ̃ splits complex parameters into (Re, Im) pairs.
@@ -196,6 +199,7 @@ class ModelPoint:
 
     params: Any
     samples: Any
+    state: Any = None
     function: UserFunction = _static()
     mode: str = _static()
     center: bool = _static(default=True)
@@ -211,13 +215,27 @@ class ModelPoint:
 
     @staticmethod
     def build(f: Callable[..., Any], params: Any, samples: Any, *, mode: str | None = None, center: bool = True,
-              chunk_size: int | None = None, comm: Any = None, sharded_params: bool = False,
-              where: str = "distlinalg.operators") -> ModelPoint:
+              chunk_size: int | None = None, comm: Any = None, sharded_params: bool = False, state: Any = None,
+              counts: Any = None, where: str = "distlinalg.operators") -> ModelPoint:
         """Check the model at trace time and exchange the sample counts (every
-        rank calls it together); the arguments are those of :func:`~distlinalg.operators.gram`."""
+        rank calls it together); the arguments are those of :func:`~distlinalg.operators.gram`.
+
+        ``state``: see the attribute (f is then ``f(params, samples, state)``).
+        ``counts``: every rank's sample count where every rank already knows
+        them (equal by construction, as in a NetKet state of
+        :mod:`distlinalg.netket`): no exchange, so the point can be built
+        inside a traced function. This rank's entry must be its own count.
+        """
         comm = resolve_comm(comm)
-        mode, n_local, communicates, _ = check_model(f, params, samples, mode, where)
-        counts = exchange_sizes(n_local, comm)
+        bound = f if state is None else (lambda p, x: f(p, x, state))
+        mode, n_local, communicates, _ = check_model(bound, params, samples, mode, where)
+        if counts is None:
+            counts = exchange_sizes(n_local, comm)
+        else:
+            counts = np.asarray(counts, np.int64)
+            if counts.shape != (comm.size,) or int(counts[comm.rank]) != n_local:
+                raise ValueError(f"{where}: counts must hold every rank's sample count, this rank's being {n_local}; "
+                                 f"got {counts.tolist()} for {comm.size} rank(s)")
         if int(counts.sum()) == 0:
             raise ValueError(f"{where}: no samples on any rank")
         chunk, n_chunks = None, 1
@@ -231,16 +249,22 @@ class ModelPoint:
             n_chunks = max(1, -(-longest // chunk))
         split = mode != "holomorphic" and is_complex(params)
         theta = split_complex(params) if split else params
-        outputs = _outputs_in_mode(f, mode, split)
+        outputs = _outputs_in_mode(bound, mode, split)
         dtype = jnp.dtype(jax.eval_shape(outputs, theta, samples).dtype)
-        return ModelPoint(params=params, samples=samples, function=UserFunction(f), mode=mode, center=bool(center),
+        return ModelPoint(params=params, samples=samples, state=state, function=UserFunction(f), mode=mode,
+                          center=bool(center),
                           chunk=chunk, n_chunks=n_chunks, comm=comm, sharded_params=bool(sharded_params),
                           communicates=communicates, counts=tuple(int(c) for c in counts), split=split,
                           dtype=dtype, params_structure=Structure.of(params))
 
     @property
     def f(self) -> Callable[..., Any]:
-        return self.function.fn
+        """(params, samples) ↦ outputs: the user's f, with the state bound when there is one."""
+        fn = self.function.fn
+        if self.state is None:
+            return fn
+        state = self.state
+        return lambda params, samples: fn(params, samples, state)
 
     @property
     def n_local(self) -> int:
@@ -265,10 +289,37 @@ class ModelPoint:
         """Ō at this point, evaluating the model in every product (no collective here)."""
         return Jacobian(self, linearised=False)
 
-    def linearise(self) -> Jacobian:
+    def linearise(self, linearisation: Linearisation | None = None) -> Jacobian:
         """Ō at this point, the model linearised (and the mean row taken: one
-        allreduce when centring) once, here."""
-        return Jacobian(self, linearised=True)
+        allreduce when centring) once, here; or restored from the
+        ``Jacobian.linearisation`` of this point made in another trace
+        (nothing evaluated, nothing communicated)."""
+        return Jacobian(self, linearised=True, linearisation=linearisation)
+
+
+@point_class
+class Linearisation:
+    """What ``point.linearise()`` computed, as data that can leave the trace it
+    was made in (a jitted function's result, an argument of the next one):
+    ``tangent_map``, jax.linearize's u ↦ O u on this rank's samples (None with
+    chunks, whose products re-linearise chunk by chunk), and ``mean_row``, μ
+    (None when not centring). ``point.linearise(linearisation)`` restores the
+    Jacobian; the transpose is re-derived from the tangent map there.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from distlinalg import comm
+      >>> from distlinalg.operators import ModelPoint
+      >>> x = jax.random.normal(jax.random.PRNGKey(comm.rank()), (4, 3))
+      >>> point = ModelPoint.build(lambda w, x: jnp.tanh(x @ w), jnp.ones(3), x)
+      >>> made = jax.jit(lambda p: p.linearise().linearisation)(point)     # one program linearises
+      >>> rows = jax.jit(lambda p, lin, u: p.linearise(lin).jvp(u))         # another reuses it
+      >>> bool(jnp.allclose(rows(point, made, jnp.ones(3)), point.linearise().jvp(jnp.ones(3))))
+      True
+    """
+
+    tangent_map: Any = None
+    mean_row: Any = None
 
 
 def _outputs_in_mode(f: Callable[..., Any], mode: str, split: bool) -> Callable[[Any, Any], jax.Array]:
@@ -304,7 +355,7 @@ class Jacobian:
       True
     """
 
-    def __init__(self, point: ModelPoint, *, linearised: bool):
+    def __init__(self, point: ModelPoint, *, linearised: bool, linearisation: Linearisation | None = None):
         self.point = point
         self.params, self.samples = point.params, point.samples
         self.mode, self.center, self.comm = point.mode, point.center, point.comm
@@ -321,11 +372,32 @@ class Jacobian:
             self._masks = (jnp.arange(padded) < self.n_local).reshape(self._n_chunks, self._chunk)
         self._linear = None
         self._mean = None
-        if linearised:
+        self._linearised = linearised or linearisation is not None
+        if linearisation is not None:
+            if (linearisation.tangent_map is None) != (self._chunk is not None) or \
+                    (linearisation.mean_row is None) == self.center:
+                raise ValueError("distlinalg.operators: this linearisation was made at a point with other chunking "
+                                 "or centring")
+            if self._chunk is None:
+                jvp = linearisation.tangent_map
+                transpose_of = jax.linear_transpose(jvp, self.theta)
+                self._linear = (jvp, lambda w: transpose_of(w)[0])
+            self._mean = linearisation.mean_row
+        elif linearised:
             if self._chunk is None:
                 self._linear = self._linearise(self.samples)
             if self.center:
                 self._mean = self._mean_row()
+
+    @property
+    def linearisation(self) -> Linearisation:
+        """This Jacobian's linearisation as data (see :class:`Linearisation`),
+        to restore it in another trace with ``point.linearise(linearisation)``."""
+        if not self._linearised:
+            raise ValueError("distlinalg.operators: a Jacobian made by point.jacobian() has no linearisation; "
+                             "use point.linearise()")
+        return Linearisation(tangent_map=None if self._linear is None else self._linear[0],
+                             mean_row=self._mean if self.center else None)
 
     @property
     def params_structure(self) -> Any:
@@ -476,7 +548,13 @@ class Jacobian:
             rows = jax.lax.map(jax.vmap(rows_of_sample), self._batches)
             rows = rows.reshape(-1, self.channels, n_flat)[: self.n_local]
         if self.center:
-            rows = rows - jax.vmap(lambda m: ravel_pytree(m)[0])(self.mean_row)[None]
+            if self._mean is None and not self.sharded_params:
+                # The rows are here: their sum over every rank's samples (one
+                # allreduce) is the mean row, without a pass of transposes.
+                mean = self._sum_over_ranks(jnp.sum(rows, axis=0)) / self.n_total
+            else:
+                mean = jax.vmap(lambda m: ravel_pytree(m)[0])(self.mean_row)
+            rows = rows - mean[None]
         return rows.reshape(self.n_local * self.channels, n_flat)
 
     def squared_row_sums(self) -> Any:

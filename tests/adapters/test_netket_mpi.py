@@ -74,6 +74,8 @@ MODELS = {
     "real": lambda: nk.models.RBM(alpha=1, param_dtype=float),
     "holomorphic": lambda: nk.models.RBM(alpha=1, param_dtype=complex),
     "modphase": lambda: nk.models.RBMModPhase(alpha=1, param_dtype=float),  # real params, complex output
+    # complex params differentiated as (Re, Im) pairs: the QGTs declared holomorphic=False
+    "nonholomorphic": lambda: nk.models.RBM(alpha=1, param_dtype=complex),
 }
 
 
@@ -327,6 +329,8 @@ SOLVERS = {
 def _qgt_cases(model: str):
     """(name, QGT constructor as a user writes it) for every NetKet QGT type."""
     holomorphic = {"holomorphic": True} if model == "holomorphic" else {}
+    if model == "nonholomorphic":
+        holomorphic = {"holomorphic": False}
     return [
         ("QGTAuto", None),
         ("QGTOnTheFly", QGT.QGTOnTheFly(**holomorphic) if holomorphic else QGT.QGTOnTheFly),
@@ -338,7 +342,8 @@ def _qgt_cases(model: str):
 
 
 # The oversubscribed 3-rank world runs the real model (an odd rank count); 1 and 2 ranks all three.
-@pytest.mark.parametrize("model", ["real", pytest.param("holomorphic", marks=TWO), pytest.param("modphase", marks=TWO)])
+@pytest.mark.parametrize("model", ["real", pytest.param("holomorphic", marks=TWO), pytest.param("modphase", marks=TWO),
+                                   pytest.param("nonholomorphic", marks=TWO)])
 def test_netket_sr_with_every_qgt_type_is_global(ising, model, comm):
     """nk.optimizer.SR(qgt=...) unchanged on a dnk.MCState: the QGT of every type is NetKet's
     on the gathered samples (product, dense form, solve), and the update is bit for bit the
@@ -357,7 +362,8 @@ def test_netket_sr_with_every_qgt_type_is_global(ising, model, comm):
         else:  # NetKet's class, subclassed, over every rank's samples
             assert type(S).__name__.startswith("Distributed") and type(S).__mro__[1] is type(S_ref), (name, type(S))
         _assert_trees_close(S @ grad, S_ref @ ref_grad, rtol=1e-10, atol=1e-14, err_msg=name)
-        if not (name.startswith("QGTOnTheFly") and model == "holomorphic") and "Auto" not in name:
+        # NetKet has no dense form of the on-the-fly QGT of complex parameters (holomorphic or not).
+        if not (name.startswith("QGTOnTheFly") and model in ("holomorphic", "nonholomorphic")) and "Auto" not in name:
             dense = np.asarray(S.to_dense())
             np.testing.assert_allclose(dense, np.asarray(S_ref.to_dense()), rtol=1e-10, atol=1e-14, err_msg=name)
             assert _bitwise_same_on_every_rank(dense, comm), name
