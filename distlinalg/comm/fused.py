@@ -70,6 +70,20 @@ def tree_allreduce(tree: Any, op: Any = "sum", *, comm: Any = None) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def mean_over_ranks(tree: Any, *, comm: Any) -> Any:
+    """(1/P) Σ_r tree_r, leaf by leaf, in one message per dtype (the tree unchanged on one rank).
+
+    What a replicated operator's transpose needs (docs/ad.md, "replicated
+    operators"): the whole-program adjoint hands rank r its share of Aᵀ w,
+    and the transpose every rank holds is the mean of the shares. AD and
+    vmap: those of :func:`tree_allreduce`.
+    """
+    comm = resolve_comm(comm)
+    if comm.size == 1:
+        return tree
+    return jax.tree_util.tree_map(lambda t: t / jnp.asarray(comm.size, t.dtype), tree_allreduce(tree, comm=comm))
+
+
 def _positions_by_dtype(leaves: list[Any]) -> dict[Any, list[int]]:
     """Positions of the non-empty leaves, grouped by dtype in order of first appearance."""
     groups: dict[Any, list[int]] = {}

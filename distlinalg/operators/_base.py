@@ -43,7 +43,7 @@ from .._runtime import jax_names
 from .._runtime.mpi import Communicator, resolve_comm
 from .._trees import Structure
 from ..comm._core import MPIEffect
-from ..comm.fused import tree_allreduce
+from ..comm.fused import mean_over_ranks
 from ._partition import exchange_sizes, gather_rows
 
 LAYOUTS = ("replicated", "sharded")
@@ -318,7 +318,7 @@ class LinearOperator(metaclass=_OperatorType):
             # A_rᵀ Σ_s w_s for y = allreduce(A_r x)); the matrix transpose
             # every rank holds is their mean (docs/ad.md, "replicated
             # operators"). A rank-local matvec already gives Aᵀ w.
-            result = _trees.tree_map(lambda t: t / self.comm.size, tree_allreduce(result, comm=self.comm))
+            result = mean_over_ranks(result, comm=self.comm)
         return result
 
     @property

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from .._runtime import jax_names
 from ..comm.allreduce import allreduce
-from ..comm.fused import tree_allreduce
+from ..comm.fused import mean_over_ranks, tree_allreduce
 from . import _arguments
 from . import _common as C
 from ._vectors import real_dtype, scale as scaled
@@ -156,13 +156,7 @@ def replicated_transpose(vecmat: Callable[[Any], Any], comm: Any) -> Callable[[A
     gives Aᵀ w on every rank, and the mean leaves it unchanged). One
     vector-sized allreduce per transposed product.
     """
-    ranks = comm.size
-
-    def transposed(w: Any) -> Any:
-        total = tree_allreduce(vecmat(w), comm=comm)
-        return jax.tree_util.tree_map(lambda v: v / jnp.asarray(ranks, v.dtype), total)
-
-    return transposed
+    return lambda w: mean_over_ranks(vecmat(w), comm=comm)
 
 
 def _cast_like(x: Any, like: Any) -> Any:
