@@ -37,7 +37,7 @@ from jax._src import dispatch as _dispatch  # private
 from jax._src import effects as _effects  # private
 
 __all__ = ["Patch", "TABLE", "CHECKED_VERSIONS", "apply_jax_patches", "record", "state", "table_text",
-           "markdown_table", "warn_outside_checked", "register_ordered_effect", "mark_mpi_module",
+           "markdown_table", "warn_outside_checked", "register_ordered_effect", "mark_mpi_module", "share_mlir_contexts",
            "MPI_MODULE_ATTRIBUTE", "compile_options_for", "disable_ynn_per_compile"]
 
 # The release lines each library was checked on (a version is inside when it starts with one of
@@ -52,6 +52,10 @@ CHECKED_VERSIONS: dict[str, tuple[str, ...]] = {
     "equinox": ("0.13",),
     "optimistix": ("0.1",),
 }
+
+
+# Lowerings one shared MLIR context serves before a fresh one is made (row jax-shared-mlir-context).
+SHARED_CONTEXT_USES = 64
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,14 @@ TABLE: tuple[Patch, ...] = (
           "XLA's GPU dynamic slice fusion wraps a custom call with a token operand and its cost analysis "
           "aborts the process (jaxlib 0.11-0.12, CUDA: distributed CG on laplacian_2d)",
           "patches.apply_jax_patches"),
+    Patch("jax-shared-mlir-context", "jax", "jax._src.interpreters.mlir.make_ir_context",
+          "opt-in (DISTLINALG_SHARED_MLIR_CONTEXT=1; the test worlds set it): one MLIR context per thread, "
+          f"reused for {SHARED_CONTEXT_USES} lowerings",
+          "JAX makes a context and loads every dialect into it for each program it lowers: 10 ms of the "
+          "~20 ms a small program's lowering takes on CPU (jax 0.10.2), the lowering half of the test "
+          "suite's. Off by default: a shared context keeps the uniqued constants of its programs until the "
+          "last of them is freed", "patches.share_mlir_contexts",
+          absent_means="this JAX makes its MLIR contexts another way: nothing shared"),
     Patch("xla-ynn-fusions", "xla", "XLA_FLAGS --xla_cpu_experimental_ynn_fusion_type",
           "set to LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT (YNN's reduce fusions off, its matmuls kept)",
           "jaxlib 0.10.2's YNN reduce fusions miscompile a reduction of a dot (jnp.sum((X @ W) ** 2, 1)), "
@@ -427,6 +439,40 @@ def disable_ynn_per_compile(flag: str, value: str) -> bool:
     return True
 
 
+def share_mlir_contexts() -> None:
+    """Row ``jax-shared-mlir-context`` (opt-in): ``make_ir_context`` hands each thread one
+    context for ``SHARED_CONTEXT_USES`` lowerings, then a fresh one. A program's module
+    lives in the context it was lowered in whatever else the context holds, so nothing a
+    program computes changes; what changes is that a context, and the constants uniqued in
+    it, is freed only with the last module of its lowerings."""
+    from .env import switch
+
+    if not switch("DISTLINALG_SHARED_MLIR_CONTEXT", False):
+        record("jax-shared-mlir-context", "off (DISTLINALG_SHARED_MLIR_CONTEXT=1 turns it on)")
+        return
+    from jax._src.interpreters import mlir  # private
+
+    if not callable(getattr(mlir, "make_ir_context", None)):
+        missing("jax-shared-mlir-context")
+        return
+    import threading
+
+    per_thread = threading.local()
+
+    def make(original: Any) -> Any:
+        def make_ir_context() -> Any:
+            uses = getattr(per_thread, "uses", SHARED_CONTEXT_USES)
+            if uses >= SHARED_CONTEXT_USES:
+                per_thread.context, uses = original(), 0
+            per_thread.uses = uses + 1
+            return per_thread.context
+
+        return make_ir_context
+
+    _replace(mlir, "make_ir_context", make)
+    record("jax-shared-mlir-context", "applied")
+
+
 def apply_jax_patches() -> None:
     """Apply the JAX rows (idempotent); warn once if JAX is outside its checked versions."""
     warn_outside_checked("jax")
@@ -435,3 +481,4 @@ def apply_jax_patches() -> None:
     _recover_failed_tokens()
     _wait_for_programs_without_results()
     _route_gpu_compilations()
+    share_mlir_contexts()

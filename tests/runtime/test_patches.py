@@ -4,6 +4,7 @@ the environment switches read anywhere in the package are all in the docs' table
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -24,6 +25,9 @@ def test_every_jax_row_is_applied_once_at_import():
     for name in ("jax-effect-registries", "jax-aot-fast-path", "jax-failed-token", "jax-programs-without-results",
                  "jax-gpu-compile-options"):
         assert patches.state(name) == "applied", name
+    shared = os.environ.get("DISTLINALG_SHARED_MLIR_CONTEXT", "0") == "1"
+    assert patches.state("jax-shared-mlir-context") == "applied" if shared else \
+        patches.state("jax-shared-mlir-context").startswith("off")
     assert patches.state("xla-ynn-fusions") == distlinalg.YNN_FUSION
     from jax._src import dispatch
     from jax._src.interpreters import pxla
@@ -74,6 +78,37 @@ def test_a_target_that_is_gone_is_an_import_error_or_not_needed(monkeypatch):
         patches.missing("jax-failed-token")
     assert patches.missing("jax-aot-fast-path") == "not needed: this JAX has no such fast path"
     assert patches.state("jax-aot-fast-path").startswith("not needed")
+
+
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_shared_mlir_context_is_opt_in_and_changes_no_result(switch):
+    """DISTLINALG_SHARED_MLIR_CONTEXT=1: one MLIR context serves SHARED_CONTEXT_USES lowerings
+    (per thread), then a fresh one; programs compiled from it (an MPI call among them)
+    compute what they compute without it. Off (the default): JAX's own contexts."""
+    probe = (
+        "import threading, jax, jax.numpy as jnp, numpy as np, distlinalg as dl\n"
+        "from distlinalg._runtime import patches\n"
+        "from jax._src.interpreters import mlir\n"
+        "contexts = [mlir.make_ir_context() for _ in range(patches.SHARED_CONTEXT_USES + 1)]\n"
+        "other = []\n"
+        "t = threading.Thread(target=lambda: other.append(mlir.make_ir_context())); t.start(); t.join()\n"
+        "same = all(c is contexts[0] for c in contexts[:-1]) and contexts[-1] is not contexts[0]\n"
+        "values = [float(jax.jit(lambda x, k=k: dl.comm.allreduce(jnp.sin(x * k), 'sum').sum())(jnp.arange(3.0)))\n"
+        "          for k in range(1, 2 * patches.SHARED_CONTEXT_USES)]\n"
+        "expected = [float(np.sin(np.arange(3.0) * k).sum()) for k in range(1, 2 * patches.SHARED_CONTEXT_USES)]\n"
+        "print(patches.state('jax-shared-mlir-context'), same, other[0] is not contexts[-1],\n"
+        "      np.allclose(values, expected, rtol=1e-5, atol=1e-4))\n"
+    )
+    env = dict(os.environ, DISTLINALG_SHARED_MLIR_CONTEXT=switch)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+    state, same, per_thread, equal = out.stdout.split("\n")[-2].rsplit(" ", 3)
+    assert equal == "True", out.stdout
+    if switch == "1":
+        assert (state, same, per_thread) == ("applied", "True", "True"), out.stdout
+    else:
+        assert state.startswith("off") and same == "False", out.stdout
 
 
 def test_adapters_change_nothing_at_import():
