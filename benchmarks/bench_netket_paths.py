@@ -60,10 +60,18 @@ def main() -> None:
             H, nk.optimizer.Sgd(0.05), variational_state=vs,
             preconditioner=nk.optimizer.SR(qgt=nk.optimizer.qgt.QGTJacobianDense,
                                            solver=nk.optimizer.solver.cholesky, diag_shift=0.01)),
+        "VMC + SR(QGTOnTheFly, jax cg)": lambda vs: nk.driver.VMC(
+            H, nk.optimizer.Sgd(0.05), variational_state=vs,
+            preconditioner=nk.optimizer.SR(qgt=nk.optimizer.qgt.QGTOnTheFly, diag_shift=0.01)),
+        "VMC + SR(QGTJacobianPyTree, jax cg)": lambda vs: nk.driver.VMC(
+            H, nk.optimizer.Sgd(0.05), variational_state=vs,
+            preconditioner=nk.optimizer.SR(qgt=nk.optimizer.qgt.QGTJacobianPyTree, diag_shift=0.01)),
         "VMC_SR": lambda vs: nk.driver.VMC_SR(H, optax.sgd(0.05), variational_state=vs, diag_shift=0.01,
                                               use_ntk=False),
         "VMC_SR(use_ntk=True)": lambda vs: nk.driver.VMC_SR(H, optax.sgd(0.05), variational_state=vs,
                                                             diag_shift=0.01, use_ntk=True),
+        "VMC_SR(use_ntk=True, chunk_size_bwd=128)": lambda vs: nk.driver.VMC_SR(
+            H, optax.sgd(0.05), variational_state=vs, diag_shift=0.01, use_ntk=True, chunk_size_bwd=128),
         "VMC + dnk.SR": lambda vs: nk.driver.VMC(H, nk.optimizer.Sgd(0.05), variational_state=vs,
                                                  preconditioner=dnk.SR(diag_shift=0.01, rtol=1e-6)),
     }

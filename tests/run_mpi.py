@@ -105,9 +105,11 @@ def use_compilation_cache(cache_dir: str, writer: bool) -> None:
     programs, and most of them do not depend on the rank count. JAX's
     persistent cache is keyed by the lowered program, so distlinalg's rules
     and lowerings still run in every world; only XLA's compilation of a
-    program already compiled in this run is skipped. One writer per world:
-    JAX writes entries in place without a lock, and a reader that meets an
-    entry being written compiles instead (with a warning).
+    program already compiled in this run is skipped. JAX writes entries in
+    place without a lock: with DISTLINALG_SHARED_COMPILES (the default of a
+    run) every rank writes, under the key's lock, and reads under it too;
+    without, rank 0 alone writes, and a reader that meets an entry being
+    written compiles instead (with a warning).
     """
     os.environ["JAX_COMPILATION_CACHE_DIR"] = cache_dir
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
@@ -119,7 +121,9 @@ def worker(argv: list[str]) -> int:
     log_dir, cache_dir = Path(argv[0]), argv[1]
     rank = next((os.environ[k] for k in RANK_ENV if k in os.environ), "0")
     if cache_dir:
-        use_compilation_cache(cache_dir, writer=rank == "0")
+        # With shared compiles every rank may be the one that compiles a program (and
+        # writes it, under the key's lock); without, rank 0 writes alone.
+        use_compilation_cache(cache_dir, writer=rank == "0" or os.environ.get("DISTLINALG_SHARED_COMPILES") == "1")
     log_dir.mkdir(parents=True, exist_ok=True)
     log = open(log_dir / f"rank{rank}.log", "w", buffering=1)
     os.dup2(log.fileno(), 1)
@@ -357,6 +361,10 @@ def main() -> int:
     # JAX's lowering time, 10 ms a program; test_collectives.py in one process lowered its
     # 923 programs in 6 s instead of 17. DISTLINALG_SHARED_MLIR_CONTEXT=0 keeps JAX's own.
     os.environ.setdefault("DISTLINALG_SHARED_MLIR_CONTEXT", "1")
+    # And the ranks of a world compile each program once (row jax-shared-compiles): one rank
+    # compiles under the program's lock in the run's cache, the others load it.
+    # DISTLINALG_SHARED_COMPILES=0 lets every rank compile its own.
+    os.environ.setdefault("DISTLINALG_SHARED_COMPILES", "1")
     if args.shard_weights_from:
         record_shard_weights(args.shard_weights_from, args.serial_seconds)
         return 0

@@ -28,6 +28,9 @@ def test_every_jax_row_is_applied_once_at_import():
     shared = os.environ.get("DISTLINALG_SHARED_MLIR_CONTEXT", "0") == "1"
     assert patches.state("jax-shared-mlir-context") == "applied" if shared else \
         patches.state("jax-shared-mlir-context").startswith("off")
+    compiles = os.environ.get("DISTLINALG_SHARED_COMPILES", "0") == "1"
+    assert patches.state("jax-shared-compiles") == "applied" if compiles else \
+        patches.state("jax-shared-compiles").startswith("off")
     assert patches.state("xla-ynn-fusions") == distlinalg.YNN_FUSION
     from jax._src import dispatch
     from jax._src.interpreters import pxla
@@ -109,6 +112,62 @@ def test_shared_mlir_context_is_opt_in_and_changes_no_result(switch):
         assert (state, same, per_thread) == ("applied", "True", "True"), out.stdout
     else:
         assert state.startswith("off") and same == "False", out.stdout
+
+
+SHARED_COMPILES_PROBE = """
+import jax, jax.numpy as jnp, numpy as np
+from mpi4py import MPI
+import distlinalg as dl
+from distlinalg._runtime import patches
+# "compiled": JAX's compile step (which a load from the persistent cache is part of);
+# "loaded": its cache hits.
+counts = {"compiled": 0, "loaded": 0}
+def on_duration(event, duration, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+        counts["compiled"] += 1
+def on_event(event, **_):
+    if event == "/jax/compilation_cache/cache_hits":
+        counts["loaded"] += 1
+jax.monitoring.register_event_duration_secs_listener(on_duration)
+jax.monitoring.register_event_listener(on_event)
+x = np.arange(4.0, dtype=np.float32)
+local = [float(jax.jit(lambda x, k=k: (jnp.cos(x) * k).sum())(x)) for k in range(1, 9)]
+mine = dict(counts)  # programs without an MPI call: the same module on every rank
+# A module with an MPI call holds this rank's communicator handle, which MPICH numbers per
+# process: it may be compiled on every rank; its values must be right either way.
+total = [float(jax.jit(lambda x, k=k: dl.comm.allreduce(jnp.cos(x) * k, "sum").sum())(x)) for k in range(1, 4)]
+everyone = MPI.COMM_WORLD.allgather(mine)
+expected = [float(np.cos(np.arange(4.0)).sum()) * k for k in range(1, 9)]
+ok = np.allclose(local, expected, rtol=1e-5) and np.allclose(total, [MPI.COMM_WORLD.Get_size() * e for e in expected[:3]],
+                                                            rtol=1e-5)
+if MPI.COMM_WORLD.Get_rank() == 0:
+    print(patches.state("jax-shared-compiles"), "|", ok, "|", sum(c["loaded"] for c in everyone), "|",
+          [c["compiled"] for c in everyone])
+"""
+
+
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_shared_compiles_compile_each_program_once_per_node(tmp_path, switch):
+    """DISTLINALG_SHARED_COMPILES=1 with JAX's persistent cache: of 2 ranks running the same
+    programs, exactly one compiles each (the other loads it), and the results are right;
+    off (the default), every rank compiles its own."""
+    from run_mpi import find_mpiexec
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTLINALG_SHARED_COMPILES")}
+    env.update(DISTLINALG_SHARED_COMPILES=switch, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    out = subprocess.run(find_mpiexec() + ["-n", "2", sys.executable, "-c", SHARED_COMPILES_PROBE],
+                         capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    state, ok, loaded, programs = (part.strip() for part in line.split("|"))
+    assert ok == "True", line
+    programs = [int(n) for n in programs.strip("[]").split(",")]
+    assert programs[0] == programs[1] == 8, line
+    if switch == "1":  # every program compiled by one rank and loaded by the other: 2·8 − 8 compiles
+        assert state == "applied" and int(loaded) == 8, line
+    else:
+        assert state.startswith("off"), line
 
 
 def test_adapters_change_nothing_at_import():
