@@ -108,7 +108,8 @@ TABLE: tuple[Patch, ...] = (
           "~20 ms a small program's lowering takes on CPU (jax 0.10.2), the lowering half of the test "
           "suite's. Off by default: a shared context keeps the uniqued constants of its programs until the "
           "last of them is freed", "patches.share_mlir_contexts",
-          absent_means="this JAX makes its MLIR contexts another way: nothing shared"),
+          absent_means="this JAX makes its MLIR contexts another way: nothing shared (jax 0.12 reuses one "
+          "10 times per thread itself)"),
     Patch("jax-shared-compiles", "jax", "jax._src.compiler._cache_read and _compile_and_write_cache",
           "opt-in (DISTLINALG_SHARED_COMPILES=1, with JAX's persistent compilation cache on; the test worlds "
           "set it): a program missing from the cache is compiled by one rank under a lock of its key, and "
@@ -465,6 +466,9 @@ def share_mlir_contexts() -> None:
     if not callable(getattr(mlir, "make_ir_context", None)):
         missing("jax-shared-mlir-context")
         return
+    if hasattr(mlir, "_thread_local_context"):  # jax 0.12 reuses a context 10 times per thread itself
+        record("jax-shared-mlir-context", "not needed: this JAX reuses its MLIR contexts per thread")
+        return
     import threading
 
     per_thread = threading.local()
@@ -503,6 +507,7 @@ def share_compiles_between_ranks() -> None:
         return
     import contextlib
     import fcntl
+    import inspect
     import os
 
     @contextlib.contextmanager
@@ -522,6 +527,8 @@ def share_compiles_between_ranks() -> None:
 
     read = compiler._cache_read
     read = getattr(read, "_distlinalg_original", read)
+    # jax 0.12 passes the host callbacks to the read as well (0.10: five arguments).
+    read_takes_callbacks = "host_callbacks" in inspect.signature(read).parameters
 
     def make_read(original: Any) -> Any:
         def _cache_read(module_name: str, cache_key: str, *args: Any, **kwargs: Any) -> Any:
@@ -535,7 +542,8 @@ def share_compiles_between_ranks() -> None:
                                      host_callbacks: Any, module_name: str, cache_key: str, *args: Any,
                                      **kwargs: Any) -> Any:
             with key_lock(cache_key, exclusive=True):
-                executable, _ = read(module_name, cache_key, compile_options, backend, executable_devices)
+                extra = (host_callbacks,) if read_takes_callbacks else ()
+                executable, _ = read(module_name, cache_key, compile_options, backend, executable_devices, *extra)
                 if executable is not None:  # another rank compiled it while this one waited
                     monitoring.record_event("/jax/compilation_cache/cache_hits")
                     return executable

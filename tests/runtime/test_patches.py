@@ -26,7 +26,8 @@ def test_every_jax_row_is_applied_once_at_import():
                  "jax-gpu-compile-options"):
         assert patches.state(name) == "applied", name
     shared = os.environ.get("DISTLINALG_SHARED_MLIR_CONTEXT", "0") == "1"
-    assert patches.state("jax-shared-mlir-context") == "applied" if shared else \
+    # On a JAX that reuses its contexts itself (0.12) the row is not needed.
+    assert patches.state("jax-shared-mlir-context").startswith(("applied", "not needed")) if shared else \
         patches.state("jax-shared-mlir-context").startswith("off")
     compiles = os.environ.get("DISTLINALG_SHARED_COMPILES", "0") == "1"
     assert patches.state("jax-shared-compiles") == "applied" if compiles else \
@@ -100,15 +101,17 @@ def test_shared_mlir_context_is_opt_in_and_changes_no_result(switch):
         "          for k in range(1, 2 * patches.SHARED_CONTEXT_USES)]\n"
         "expected = [float(np.sin(np.arange(3.0) * k).sum()) for k in range(1, 2 * patches.SHARED_CONTEXT_USES)]\n"
         "print(patches.state('jax-shared-mlir-context'), same, other[0] is not contexts[-1],\n"
-        "      np.allclose(values, expected, rtol=1e-5, atol=1e-4))\n"
+        "      np.allclose(values, expected, rtol=1e-5, atol=1e-4), sep=' | ')\n"
     )
     env = dict(os.environ, DISTLINALG_SHARED_MLIR_CONTEXT=switch)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
                          env=env)
     assert out.returncode == 0, out.stderr
-    state, same, per_thread, equal = out.stdout.split("\n")[-2].rsplit(" ", 3)
+    state, same, per_thread, equal = (part.strip() for part in out.stdout.split("\n")[-2].split("|"))
     assert equal == "True", out.stdout
-    if switch == "1":
+    if switch == "1" and state.startswith("not needed"):  # jax 0.12 reuses its contexts itself
+        assert "reuses its MLIR contexts" in state, out.stdout
+    elif switch == "1":
         assert (state, same, per_thread) == ("applied", "True", "True"), out.stdout
     else:
         assert state.startswith("off") and same == "False", out.stdout
