@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 
 namespace distlinalg {
@@ -174,12 +175,17 @@ int64_t NextSequence(int64_t comm_id) {
   return counts[comm_id]++;
 }
 
-// First-run mode: the run in which each call site was first seen.
-bool FirstRunOfSite(int64_t site, int64_t run) {
+// First-run mode: the run in which each call was first seen, by call site,
+// communicator (its check communicator's id, which every rank agrees on) and
+// signature (what the check compares, which every rank of a valid program
+// shares).
+bool FirstRunOfSite(int64_t comm_id, int64_t site, int64_t signature,
+                    int64_t run) {
   static std::mutex m;
-  static std::unordered_map<int64_t, int64_t> first_run;
+  static std::map<std::tuple<int64_t, int64_t, int64_t>, int64_t> first_run;
   std::lock_guard<std::mutex> lock(m);
-  auto [it, inserted] = first_run.emplace(site, run);
+  auto [it, inserted] =
+      first_run.emplace(std::make_tuple(comm_id, site, signature), run);
   return inserted || it->second == run;
 }
 
@@ -332,14 +338,21 @@ Signature& Signature::Flag(int64_t flag) {
 
 int64_t Signature::Hash() const { return Fnv(words_, kWords); }
 
-bool ShouldCheck(int64_t site, int64_t run) {
+bool ShouldCheck(int64_t site, int64_t run, MPI_Comm comm,
+                 const Signature& sig) {
   switch (static_cast<CheckMode>(GlobalSettings().check_mode)) {
     case CheckMode::kOff:
       return false;
     case CheckMode::kEveryCall:
       return true;
-    case CheckMode::kFirstRun:
-      return site == 0 || FirstRunOfSite(site, run);
+    case CheckMode::kFirstRun: {
+      if (site == 0) return true;
+      // No check communicator yet on any rank (it is made collectively by the
+      // first check): nothing on it was checked before.
+      const CheckState* state = FindCheckState(comm);
+      return state == nullptr ||
+             FirstRunOfSite(state->id, site, sig.Hash(), run);
+    }
   }
   return true;
 }

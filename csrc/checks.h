@@ -6,11 +6,15 @@
 // Check modes (DISTLINALG_CHECK, distlinalg.comm.configure(check=...)):
 //   off         no check.
 //   first-run   (default) eager calls are checked every time; a call site of
-//               a compiled program (one lowering of a primitive, numbered by
-//               the `site` attribute) is checked during the first execution
-//               of its program (XLA's RunId), every iteration of a loop in
-//               that execution included, and never again. Steady-state
-//               jitted code pays a hash-map lookup per call, no message.
+//               a compiled program (the `site` attribute: a hash of the code
+//               that made the call, the same on every rank, comm/_core.py's
+//               call_site) is checked during the first execution (XLA's
+//               RunId) that meets it on its communicator, every iteration
+//               of a loop in that execution included, and never again. A
+//               rank that compiles a program anew for new local shapes while
+//               another reuses its program therefore still agrees with it on
+//               whether to check. Steady-state jitted code pays a hash-map
+//               lookup per call, no message.
 //   every-call  every call is checked, and the per-communicator call count
 //               is part of the signature (call order).
 // A check is one MPI_Allreduce (max) of (h, -h), h the hash of the call's
@@ -55,8 +59,13 @@ class Signature {
   int64_t words_[kWords];
 };
 
-// Whether a call of this site and run is to be checked (see the modes).
-bool ShouldCheck(int64_t site, int64_t run);
+// Whether a call of this site and run on `comm` with signature `sig` is to be
+// checked (see the modes). In first-run mode the answer depends only on the
+// site, the communicator, the signature and the calls made before on it,
+// which are the same on every rank of a valid program; never on which
+// programs this rank compiled.
+bool ShouldCheck(int64_t site, int64_t run, MPI_Comm comm,
+                 const Signature& sig);
 
 // The check of a collective: every rank of `comm` compares `sig`.
 ffi::Error CheckCollective(const Signature& sig, MPI_Comm comm);
@@ -129,16 +138,17 @@ class CallRecord {
 // CHECK is an expression of `dl_sig_` returning ffi::Error.
 #define DL_CHECKED_CALL(record, SIGNATURE, CHECK) \
   DL_CHECKED_CALL_IF(true, record, SIGNATURE, CHECK)
-#define DL_CHECKED_CALL_IF(eligible, record, SIGNATURE, CHECK)            \
-  DL_CHECK((record).Alone());                                             \
-  const Signature dl_sig_ = (SIGNATURE);                                  \
-  {                                                                       \
-    const bool dl_checked_ = (eligible) && ShouldCheck(site, run.run_id); \
-    if (dl_checked_) {                                                    \
-      (record).Checking(dl_sig_);                                         \
-      DL_CHECK(CHECK);                                                    \
-    }                                                                     \
-    (record).Running(dl_sig_, dl_checked_);                               \
+#define DL_CHECKED_CALL_IF(eligible, record, SIGNATURE, CHECK)      \
+  DL_CHECK((record).Alone());                                       \
+  const Signature dl_sig_ = (SIGNATURE);                            \
+  {                                                                 \
+    const bool dl_checked_ =                                        \
+        (eligible) && ShouldCheck(site, run.run_id, comm, dl_sig_); \
+    if (dl_checked_) {                                              \
+      (record).Checking(dl_sig_);                                   \
+      DL_CHECK(CHECK);                                              \
+    }                                                               \
+    (record).Running(dl_sig_, dl_checked_);                         \
   }
 
 // Tags at or above this carry distlinalg's derivative messages

@@ -10,6 +10,8 @@ When JAX moves one of these, this is the only file to change.
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
 import jax
@@ -117,6 +119,43 @@ def effect_free_lowering_context(ctx: Any, avals_in: Any, avals_out: Any) -> Any
     """A copy of a lowering context for lowering effect-free code inside a rule
     that sets the tokens itself (no tokens in, none handed out yet)."""
     return ctx.replace(avals_in=avals_in, avals_out=avals_out, tokens_in=mlir.TokenSet(), tokens_out=None)
+
+
+def lowering_call_path(ctx: Any) -> tuple[str, str, tuple[tuple[str, str, int], ...]]:
+    """Where a lowering rule's equation comes from, in terms that depend on the code only:
+    (the module's name, the name stack, the innermost run of frames outside JAX and the
+    standard library, as (file, function, bytecode offset)).
+
+    The innermost run stops at the first JAX frame above it: the frames beyond belong to
+    whatever called the traced function, which a trace cache may have seen from another
+    caller (a jaxpr traced once and reused). What is inside it is the traced code itself.
+    """
+    sym_name = ctx.module_context.module.operation.attributes["sym_name"]
+    module_name = mlir.ir.StringAttr(sym_name).value
+    frames: list[tuple[str, str, int]] = []
+    traceback = ctx.traceback
+    if traceback is not None:
+        codes, offsets = traceback.raw_frames()  # innermost first
+        for code, offset in zip(codes, offsets):
+            if _is_jax_or_stdlib(code.co_filename):
+                if frames:
+                    break
+                continue
+            frames.append((code.co_filename, getattr(code, "co_qualname", code.co_name), int(offset)))
+    return module_name, str(ctx.name_stack), tuple(frames)
+
+
+_SKIPPED_PREFIXES = (
+    os.path.dirname(jax.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(jax.__file__)) + os.sep + "jaxlib" + os.sep,
+    os.path.dirname(os.__file__) + os.sep,  # the standard library
+    "<frozen",
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_jax_or_stdlib(filename: str) -> bool:
+    return filename.startswith(_SKIPPED_PREFIXES)
 
 
 # ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import functools
-import itertools
+import hashlib
 import threading
 from typing import Any
 
@@ -333,7 +333,7 @@ def register_lowering(
             jax_names.set_token_out(ctx, mpi_effect, jax_names.token_in(ctx, mpi_effect))
             return list(results)
         token_out, *results = emit(
-            ctx, jax_names.token_in(ctx, mpi_effect), operands, params, avals_out, next(_call_sites)
+            ctx, jax_names.token_in(ctx, mpi_effect), operands, params, avals_out, call_site(ctx, prim)
         )
         jax_names.set_token_out(ctx, mpi_effect, token_out)
         return results
@@ -372,12 +372,30 @@ def elide_one_rank() -> bool:
     return ONE_RANK_LOCAL
 
 
-# Call sites of compiled programs: every lowering of a primitive gets its own
-# number, the handler's `site` attribute. In the default check mode a site is
-# checked across ranks during the first execution of its program only
-# (csrc/checks.h); eager calls (site 0) are checked every time.
+# Call sites of compiled programs: the handler's `site` attribute. In the default
+# check mode a site is checked across ranks during the first execution that meets
+# it on its communicator, and not after (csrc/checks.h); eager calls (site 0) are
+# checked every time. Whether a rank checks must not depend on what it compiled
+# before: ranks whose local shapes differ compile at different times (one rank
+# reuses a program for shapes it has seen while another compiles one for new
+# shapes), and a rank that checks alone waits for the others. So a site is a
+# function of the code alone, the same on every rank and in every process (see
+# call_site), and the handler keys "seen before" by the site, the communicator
+# and the call's signature (what the check compares: shapes, dtype, root, op),
+# which every rank of a valid program shares. A program compiled for new shapes
+# on every rank is checked again; one compiled anew on some ranks only, for
+# local shapes the collective does not see, is not, on any rank.
 EAGER_SITE = 0
-_call_sites = itertools.count(1)
+
+
+def call_site(ctx: Any, prim: Primitive) -> int:
+    """The `site` of one lowering of `prim`: a hash of the module's name, the name
+    stack and the traced code's frames that led to the call (jax_names.lowering_call_path),
+    with the primitive's name; in [1, 2**63)."""
+    module_name, name_stack, frames = jax_names.lowering_call_path(ctx)
+    text = repr((prim.name, module_name, name_stack, frames)).encode()
+    value = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+    return value or 1
 
 
 def _register_missing_cuda(prim: Primitive) -> None:

@@ -105,6 +105,32 @@ def test_rank_dependent_cond_in_first_run(comm, rank, size):
     assert_no_failures(failure, comm)
 
 
+def test_program_compiled_anew_on_some_ranks_only(comm, rank, size):
+    """Local shapes that change on some ranks only (the last batch of an uneven split):
+    those ranks compile the program anew while the others reuse theirs, and no rank checks
+    a call that another rank does not (which would wait for it in vain)."""
+    f = jax.jit(lambda x: allreduce(jnp.sum(x), comm=comm) + bcast(x[:1] * 0 + jnp.sum(x), root=0, comm=comm))
+    def batch_length(step, r):  # rank 0's length repeats; the others' change at the last step
+        return 3 + r if step < 2 else 3 + 2 * r
+
+    for step in range(3):
+        out = f(jnp.ones(batch_length(step, rank)))
+        total = sum(batch_length(step, r) for r in range(size))
+        np.testing.assert_allclose(out, [total + batch_length(step, 0)])
+
+
+def test_mismatch_in_a_program_compiled_for_new_shapes_is_caught(comm, rank, size):
+    """A call site checked once is checked again for a new signature (new shapes on every rank)."""
+    if size == 1:
+        pytest.skip("a mismatch needs two ranks")
+    f = jax.jit(lambda x: allreduce(x, comm=comm))
+    np.testing.assert_allclose(f(jnp.ones(3)), np.full(3, size))
+    last = rank == size - 1
+    failure = failure_of(lambda: f(jnp.ones(4 + last)).block_until_ready(), MISMATCH)
+    assert_no_failures(failure, comm)
+    np.testing.assert_allclose(f(jnp.ones(2)), np.full(2, size))
+
+
 def test_every_call_mode_compares_call_order(comm, rank, size, every_call):
     if size == 1:
         np.testing.assert_allclose(allreduce(jnp.ones(2), comm=comm), np.ones(2))
