@@ -76,7 +76,7 @@ char* Bytes(ffi::Result<ffi::AnyBuffer>& b) {
 #define DL_PREAMBLE(NAME, dtype, count, root, SIGNATURE) \
   MpiLock dl_lock_;                                      \
   DL_CHECK(CheckNotFinalized(NAME));                     \
-  MPI_Comm comm = CommFromHandle(comm_handle);           \
+  DL_COMM_OF_KEY(comm, comm_handle);                     \
   TypeInfo ti = MpiType(dtype);                          \
   if (!ti.ok) return Unsupported(NAME, dtype);           \
   CallRecord dl_record_(NAME, comm, dtype, count, root); \
@@ -311,8 +311,9 @@ ffi::Error AlltoallImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_handle,
                         ffi::RunId run, int64_t site) {
   const int size = [&] {
-    int s = 0;
-    MPI_Comm_size(CommFromHandle(comm_handle), &s);
+    int s = 1;  // an unknown key: DL_PREAMBLE returns its error
+    MPI_Comm comm = CommFromKey(comm_handle);
+    if (comm != MPI_COMM_NULL) MPI_Comm_size(comm, &s);
     return s;
   }();
   const int64_t n = x.element_count() / size;
@@ -373,7 +374,7 @@ ffi::Error BarrierImpl(ffi::Token, ffi::Result<ffi::Token>, int64_t comm_handle,
                        ffi::RunId run, int64_t site) {
   MpiLock lock;
   DL_CHECK(CheckNotFinalized("barrier"));
-  MPI_Comm comm = CommFromHandle(comm_handle);
+  DL_COMM_OF_KEY(comm, comm_handle);
   CallRecord record("barrier", comm, ffi::DataType::TOKEN, 0);
   DL_CHECKED_CALL(record, Signature("barrier"), CheckCollective(dl_sig_, comm));
   DL_CHECK(Run(

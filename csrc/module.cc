@@ -290,6 +290,12 @@ NB_MODULE(_native, m) {
       },
       "Stop the responder thread (before MPI_Finalize).");
   m.def(
+      "register_comm",
+      [](int64_t key, int64_t handle) { dl::RegisterComm(key, handle); },
+      nb::arg("key"), nb::arg("handle"),
+      "Map the communicator key that programs carry to this process's "
+      "handle.");
+  m.def(
       "prepare_checks",
       [](int64_t comm) {
         int rc;

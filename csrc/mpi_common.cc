@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <array>
+#include <unordered_map>
 #include <chrono>
 
 #include <cmath>
@@ -514,6 +515,38 @@ int MakeContiguousType(int64_t count, MPI_Datatype base, MPI_Datatype* out) {
     if (rc != MPI_SUCCESS) return rc;
   }
   return MPI_Type_commit(out);
+}
+
+// ---------------------------------------------------------------------------
+// Communicator keys (mpi_common.h).
+namespace {
+std::mutex& KeyMutex() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_map<int64_t, int64_t>& Keys() {
+  static std::unordered_map<int64_t, int64_t> keys;
+  return keys;
+}
+}  // namespace
+
+void RegisterComm(int64_t key, int64_t handle) {
+  std::lock_guard<std::mutex> lock(KeyMutex());
+  Keys()[key] = handle;
+}
+
+MPI_Comm CommFromKey(int64_t key) {
+  std::lock_guard<std::mutex> lock(KeyMutex());
+  auto it = Keys().find(key);
+  return it == Keys().end() ? MPI_COMM_NULL : CommFromHandle(it->second);
+}
+
+ffi::Error UnknownCommKey(int64_t key) {
+  return ffi::Error(
+      ffi::ErrorCode::kInternal,
+      "distlinalg: the program names communicator key " + std::to_string(key) +
+          ", which this process never registered (a program lowered in "
+          "another process?)");
 }
 
 }  // namespace distlinalg

@@ -60,6 +60,22 @@ inline int64_t HandleFromComm(Comm comm) {
   }
 }
 
+// Programs name a communicator by its distlinalg key, not its handle: the
+// handle of one communicator differs between ranks (MPICH numbers them in the
+// order each process made its communicators, internal ones included), so a
+// program holding it would differ on every rank and in every world, and no
+// rank could load what another compiled. Keys are given in the order
+// communicators are wrapped (distlinalg/_runtime/mpi.py), which is the same
+// on every rank of an SPMD program, and each process maps them to its own
+// handles here. A key never changes its communicator.
+void RegisterComm(int64_t key, int64_t handle);
+// The communicator of `key`, or MPI_COMM_NULL if this process has none.
+MPI_Comm CommFromKey(int64_t key);
+ffi::Error UnknownCommKey(int64_t key);
+#define DL_COMM_OF_KEY(var, key)   \
+  MPI_Comm var = CommFromKey(key); \
+  if (var == MPI_COMM_NULL) return UnknownCommKey(key)
+
 // ---------------------------------------------------------------------------
 // Global settings, changed from Python.
 struct Settings {

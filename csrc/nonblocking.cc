@@ -114,7 +114,7 @@ ffi::Error IallreduceImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                           int64_t site) {
   MpiLock lock;
   DL_CHECK(CheckNotFinalized("iallreduce"));
-  MPI_Comm comm = CommFromHandle(comm_handle);
+  DL_COMM_OF_KEY(comm, comm_handle);
   TypeInfo ti = MpiType(x.element_type());
   if (!ti.ok) return Unsupported("iallreduce", x.element_type());
   const int64_t n = x.element_count();
@@ -148,7 +148,7 @@ ffi::Error IallgatherImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                           int64_t key, ffi::RunId run, int64_t site) {
   MpiLock lock;
   DL_CHECK(CheckNotFinalized("iallgather"));
-  MPI_Comm comm = CommFromHandle(comm_handle);
+  DL_COMM_OF_KEY(comm, comm_handle);
   TypeInfo ti = MpiType(x.element_type());
   if (!ti.ok) return Unsupported("iallgather", x.element_type());
   const int64_t n = x.element_count();
@@ -181,7 +181,7 @@ ffi::Error IreduceScatterImpl(ffi::Token, ffi::AnyBuffer x,
                               int64_t site) {
   MpiLock lock;
   DL_CHECK(CheckNotFinalized("ireduce_scatter"));
-  MPI_Comm comm = CommFromHandle(comm_handle);
+  DL_COMM_OF_KEY(comm, comm_handle);
   TypeInfo ti = MpiType(x.element_type());
   if (!ti.ok) return Unsupported("ireduce_scatter", x.element_type());
   const int size = CommSize(comm);
@@ -260,7 +260,8 @@ ffi::Error NewP2pPending(const char* op, const char* wait_name,
   auto pending = std::make_unique<PendingRequest>();
   pending->op = op;
   pending->wait_name = wait_name;
-  pending->comm = CommFromHandle(comm_handle);
+  pending->comm = CommFromKey(comm_handle);
+  if (pending->comm == MPI_COMM_NULL) return UnknownCommKey(comm_handle);
   pending->type = ti->type;
   pending->peer = peer;
   pending->tag = tag;

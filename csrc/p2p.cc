@@ -249,7 +249,7 @@ ffi::Error SendImpl(ffi::Token, ffi::AnyBuffer x, ffi::Result<ffi::Token>,
                     ffi::RunId run, int64_t site) {
   MpiLock lock;
   DL_CHECK(CheckNotFinalized("send"));
-  MPI_Comm comm = CommFromHandle(comm_handle);
+  DL_COMM_OF_KEY(comm, comm_handle);
   TypeInfo ti = MpiType(x.element_type());
   if (auto e = CheckTypes("send", ti, x.element_type()); e.failure()) return e;
   const int64_t n = x.element_count();
@@ -269,7 +269,7 @@ ffi::Error RecvImpl(ffi::Token, ffi::AnyBuffer templ, ffi::Result<ffi::Token>,
                     int32_t source, int32_t tag, ffi::RunId run, int64_t site) {
   MpiLock lock;
   DL_CHECK(CheckNotFinalized("recv"));
-  MPI_Comm comm = CommFromHandle(comm_handle);
+  DL_COMM_OF_KEY(comm, comm_handle);
   TypeInfo ti = MpiType(y->element_type());
   if (auto e = CheckTypes("recv", ti, y->element_type()); e.failure()) return e;
   const int64_t n = y->element_count();
@@ -305,7 +305,7 @@ ffi::Error SendrecvImpl(ffi::Token, ffi::AnyBuffer sendbuf,
                         int64_t site) {
   MpiLock lock;
   DL_CHECK(CheckNotFinalized("sendrecv"));
-  MPI_Comm comm = CommFromHandle(comm_handle);
+  DL_COMM_OF_KEY(comm, comm_handle);
   TypeInfo st = MpiType(sendbuf.element_type());
   TypeInfo rt = MpiType(recvbuf.element_type());
   if (auto e = CheckTypes("sendrecv", st, sendbuf.element_type()); e.failure())
@@ -453,7 +453,7 @@ ffi::Error SendrecvStatusImpl(ffi::Token, ffi::AnyBuffer sendbuf,
                               int32_t may_lack, ffi::RunId run, int64_t site) {
   MpiLock lock;
   DL_CHECK(CheckNotFinalized("sendrecv"));
-  MPI_Comm comm = CommFromHandle(comm_handle);
+  DL_COMM_OF_KEY(comm, comm_handle);
   TypeInfo st = MpiType(sendbuf.element_type());
   TypeInfo rt = MpiType(recvbuf.element_type());
   if (auto e = CheckTypes("sendrecv", st, sendbuf.element_type()); e.failure())

@@ -590,7 +590,8 @@ ffi::Error Prepare(int64_t comm_handle, ffi::Span<const int64_t> sizes,
         "package: `make scalapack`); " +
             api.error);
   }
-  call->comm = CommFromHandle(comm_handle);
+  call->comm = CommFromKey(comm_handle);
+  if (call->comm == MPI_COMM_NULL) return UnknownCommKey(comm_handle);
   MPI_Comm_rank(call->comm, &call->rank);
   MPI_Comm_size(call->comm, &call->size);
   if (static_cast<int64_t>(sizes.size()) != call->size) {
@@ -886,7 +887,7 @@ ffi::Error SolveImpl(ffi::Token, ffi::AnyBuffer a, ffi::AnyBuffer b,
     return Invalid("A must be (n_r, N) and b (n_r, m)");
   }
   const int64_t n = ad[1], m = bd[1];
-  MPI_Comm comm = CommFromHandle(comm_handle);
+  DL_COMM_OF_KEY(comm, comm_handle);
   CallRecord record(kind == 0 ? "scalapack_potrf_solve" : "scalapack_gesv",
                     comm, dtype, ad[0] * n, -1);
   DL_CHECKED_CALL(record,
@@ -951,7 +952,7 @@ ffi::Error EighImpl(ffi::Token, ffi::AnyBuffer a, ffi::Result<ffi::Token>,
   auto ad = a.dimensions();
   if (ad.size() != 2) return Invalid("A must be (n_r, N)");
   const int64_t n = ad[1];
-  MPI_Comm comm = CommFromHandle(comm_handle);
+  DL_COMM_OF_KEY(comm, comm_handle);
   CallRecord record("scalapack_heevd", comm, dtype, ad[0] * n, -1);
   DL_CHECKED_CALL(
       record,

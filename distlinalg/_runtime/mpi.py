@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import enum
 import functools
+import itertools
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -329,7 +330,11 @@ class Communicator:
 
     Primitives carry it as a parameter; equality and hash are those of the MPI
     handle, so equal communicators hit JAX's compile cache. The mpi4py object
-    is kept alive for as long as any reference exists.
+    is kept alive for as long as any reference exists. Programs name it by
+    `key`, the order in which this process wrapped its communicators (the same
+    on every rank of an SPMD program), which the handlers map back to the
+    handle: a handle differs between ranks, so a program holding it would
+    differ too, and no rank could load a program another rank compiled.
 
     Example:
       >>> import jax
@@ -346,12 +351,14 @@ class Communicator:
     comm: Any = field(compare=False, hash=False, repr=False)
     rank: int = field(compare=False)
     size: int = field(compare=False)
+    key: int = field(default=0, compare=False)
 
     def __repr__(self) -> str:
-        return f"Communicator(handle={self.handle:#x}, rank={self.rank}, size={self.size})"
+        return f"Communicator(handle={self.handle:#x}, key={self.key}, rank={self.rank}, size={self.size})"
 
 
 _wrapped: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+_next_key = itertools.count(1)
 
 
 def _wrap(comm: Any) -> Communicator:
@@ -359,7 +366,9 @@ def _wrap(comm: Any) -> Communicator:
     found = _wrapped.get(handle)
     if found is not None and found.comm == comm:
         return found
-    wrapped = Communicator(handle=handle, comm=comm, rank=comm.Get_rank(), size=comm.Get_size())
+    key = next(_next_key)
+    _native.register_comm(key, handle)
+    wrapped = Communicator(handle=handle, comm=comm, rank=comm.Get_rank(), size=comm.Get_size(), key=key)
     _wrapped[handle] = wrapped
     return wrapped
 

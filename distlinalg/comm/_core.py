@@ -416,7 +416,11 @@ _DUMMY_AVAL = jax_names.ShapedArray((), np.int32)
 
 
 def comm_attr(comm: Communicator) -> np.int64:
-    return np.int64(comm.handle)
+    """The handler attribute naming `comm`: its key, which every rank gives the same
+    communicator (Communicator), so that the ranks' programs are alike."""
+    if not comm.key:
+        raise ValueError(f"distlinalg: {comm!r} was not made by distlinalg: pass the mpi4py communicator instead")
+    return np.int64(comm.key)
 
 
 # ---------------------------------------------------------------------------

@@ -135,17 +135,21 @@ jax.monitoring.register_event_duration_secs_listener(on_duration)
 jax.monitoring.register_event_listener(on_event)
 x = np.arange(4.0, dtype=np.float32)
 local = [float(jax.jit(lambda x, k=k: (jnp.cos(x) * k).sum())(x)) for k in range(1, 9)]
-mine = dict(counts)  # programs without an MPI call: the same module on every rank
-# A module with an MPI call holds this rank's communicator handle, which MPICH numbers per
-# process: it may be compiled on every rank; its values must be right either way.
+mine = dict(counts)  # programs without an MPI call
+# Programs with an MPI call name the communicator by its key, not by this rank's handle
+# (which MPICH numbers per process), so they are the same module on every rank too, and a
+# program one rank compiled runs on the other rank's own communicator.
 total = [float(jax.jit(lambda x, k=k: dl.comm.allreduce(jnp.cos(x) * k, "sum").sum())(x)) for k in range(1, 4)]
+mine["mpi compiled"] = counts["compiled"] - mine["compiled"]
+mine["mpi loaded"] = counts["loaded"] - mine["loaded"]
 everyone = MPI.COMM_WORLD.allgather(mine)
 expected = [float(np.cos(np.arange(4.0)).sum()) * k for k in range(1, 9)]
 ok = np.allclose(local, expected, rtol=1e-5) and np.allclose(total, [MPI.COMM_WORLD.Get_size() * e for e in expected[:3]],
                                                             rtol=1e-5)
 if MPI.COMM_WORLD.Get_rank() == 0:
     print(patches.state("jax-shared-compiles"), "|", ok, "|", sum(c["loaded"] for c in everyone), "|",
-          [c["compiled"] for c in everyone])
+          [c["compiled"] for c in everyone], "|", sum(c["mpi loaded"] for c in everyone), "|",
+          [c["mpi compiled"] for c in everyone])
 """
 
 
@@ -163,12 +167,13 @@ def test_shared_compiles_compile_each_program_once_per_node(tmp_path, switch):
                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     line = out.stdout.strip().splitlines()[-1]
-    state, ok, loaded, programs = (part.strip() for part in line.split("|"))
+    state, ok, loaded, programs, mpi_loaded, mpi_programs = (part.strip() for part in line.split("|"))
     assert ok == "True", line
     programs = [int(n) for n in programs.strip("[]").split(",")]
-    assert programs[0] == programs[1] == 8, line
+    mpi_programs = [int(n) for n in mpi_programs.strip("[]").split(",")]
+    assert programs[0] == programs[1] == 8 and mpi_programs[0] == mpi_programs[1] == 3, line
     if switch == "1":  # every program compiled by one rank and loaded by the other: 2·8 − 8 compiles
-        assert state == "applied" and int(loaded) == 8, line
+        assert state == "applied" and int(loaded) == 8 and int(mpi_loaded) == 3, line
     else:
         assert state.startswith("off"), line
 
