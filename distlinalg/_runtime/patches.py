@@ -471,10 +471,24 @@ def share_mlir_contexts() -> None:
         return
     import threading
 
+    from jax._src.lib.mlir import ir  # private
+
     per_thread = threading.local()
+
+    def inside_a_lowering() -> bool:
+        """Whether this thread is inside a lowering (a context is entered): an eager
+        operation run by a lowering rule (lineax's, on concrete values) is lowered then,
+        and its module made in the outer lowering's context would be built at the outer
+        insertion point, inside the outer module."""
+        try:
+            return ir.Context.current is not None  # None (or, in some MLIR builds, a ValueError) outside
+        except ValueError:
+            return False
 
     def make(original: Any) -> Any:
         def make_ir_context() -> Any:
+            if inside_a_lowering():
+                return original()
             uses = getattr(per_thread, "uses", SHARED_CONTEXT_USES)
             if uses >= SHARED_CONTEXT_USES:
                 per_thread.context, uses = original(), 0

@@ -87,8 +87,9 @@ def test_a_target_that_is_gone_is_an_import_error_or_not_needed(monkeypatch):
 @pytest.mark.parametrize("switch", ["0", "1"])
 def test_shared_mlir_context_is_opt_in_and_changes_no_result(switch):
     """DISTLINALG_SHARED_MLIR_CONTEXT=1: one MLIR context serves SHARED_CONTEXT_USES lowerings
-    (per thread), then a fresh one; programs compiled from it (an MPI call among them)
-    compute what they compute without it. Off (the default): JAX's own contexts."""
+    (per thread), then a fresh one; programs compiled from it (an MPI call among them, and an
+    eager operation run by a lowering rule, which is lowered inside the outer lowering) compute
+    what they compute without it. Off (the default): JAX's own contexts."""
     probe = (
         "import threading, jax, jax.numpy as jnp, numpy as np, distlinalg as dl\n"
         "from distlinalg._runtime import patches\n"
@@ -100,6 +101,16 @@ def test_shared_mlir_context_is_opt_in_and_changes_no_result(switch):
         "values = [float(jax.jit(lambda x, k=k: dl.comm.allreduce(jnp.sin(x * k), 'sum').sum())(jnp.arange(3.0)))\n"
         "          for k in range(1, 2 * patches.SHARED_CONTEXT_USES)]\n"
         "expected = [float(np.sin(np.arange(3.0) * k).sum()) for k in range(1, 2 * patches.SHARED_CONTEXT_USES)]\n"
+        "# A lowering rule that runs an eager operation (as lineax's do on concrete values): that\n"
+        "# program is lowered inside the outer lowering, and gets a context of its own.\n"
+        "from jax.extend.core import Primitive\n"
+        "eager_inside = Primitive('eager_inside'); eager_inside.def_abstract_eval(lambda x: x)\n"
+        "def lower(ctx, x):\n"
+        "    k = float(jnp.ones((7, 5), jnp.int16).sum())\n"
+        "    return mlir.lower_fun(lambda x: [x * k], multiple_results=True)(ctx, x)\n"
+        "mlir.register_lowering(eager_inside, lower)\n"
+        "values.append(float(jax.jit(lambda x: eager_inside.bind(x).sum())(jnp.arange(3.0))))\n"
+        "expected.append(105.0)\n"
         "print(patches.state('jax-shared-mlir-context'), same, other[0] is not contexts[-1],\n"
         "      np.allclose(values, expected, rtol=1e-5, atol=1e-4), sep=' | ')\n"
     )
