@@ -4,10 +4,10 @@
 #include <sys/mman.h>
 
 #include <array>
-#include <unordered_map>
 #include <chrono>
 
 #include <cmath>
+#include <unordered_map>
 
 namespace distlinalg {
 
