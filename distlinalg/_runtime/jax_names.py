@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 from jax.interpreters import ad, batching, mlir  # semi-public modules
 
 from jax._src import effects as _effects  # private
@@ -217,3 +218,81 @@ def carries_tangent(x: Any) -> bool:
 
     tracers = tuple(t for t in (getattr(_ad, "JVPTracer", None), getattr(_ad, "LinearizeTracer", None)) if t)
     return isinstance(x, tracers)
+
+
+def with_zero_tangents(trace: Any, args: Any, positions: tuple[int, ...]) -> Any:
+    """`args` of a primitive bound on `trace`, with those at `positions` carrying a zero
+    tangent (instantiated) when `trace` differentiates and no argument carries one.
+
+    For receive templates (comm/_core.new_primitive's ``templates``): JAX differentiates a
+    primitive only when an input carries a tangent, but what a receive returns depends on
+    what its *partner* sends, which this rank cannot see. Under a JVP or linearize trace
+    the receive is therefore always differentiated (its template lifted to a tracer of
+    that trace with a zero tangent), so that it takes the tangent its partner may send.
+    Arguments of integer or boolean dtypes have no tangent and are left as they are.
+    Checked on jax 0.10.2 and 0.12 (``JVPTrace``/``LinearizeTrace``, their tracers,
+    ``to_primal_tangent_pair``, the tangent's trace: the parent's for JVP, the tangent
+    trace for linearize).
+    """
+    from jax._src.interpreters import ad as _ad  # private
+
+    if isinstance(trace, _ad.JVPTrace):
+        make, zeros_trace = _ad.JVPTracer, trace.parent_trace
+    elif isinstance(trace, _ad.LinearizeTrace):
+        make, zeros_trace = _ad.LinearizeTracer, trace.tangent_trace
+    else:
+        return args
+    pairs = [trace.to_primal_tangent_pair(a) for a in args]
+    if any(type(t) is not _ad.Zero for _, t in pairs):
+        return args  # differentiated anyway; the rule instantiates the zeros
+    lifted = list(args)
+    for i in positions:
+        primal, tangent = pairs[i]
+        if not np.issubdtype(_core.typeof(primal).dtype, np.inexact):
+            continue
+        with _core.set_current_trace(zeros_trace):
+            zero = linear_zeros(tangent.aval)
+        lifted[i] = make(trace, primal, zero)
+    return lifted
+
+
+def linear_zeros(aval: Any) -> Any:
+    """Zeros that JAX's reverse mode treats as a linear value of the program being
+    differentiated, not as a constant (what `with_zero_tangents` gives a template).
+
+    A constant tangent would be evaluated with the primal program (partial evaluation
+    calls it known) and, in the linear program, evaluated instead of transposed (the
+    backward pass transposes only equations that read a linear value): a receive of a
+    tangent must instead be transposed into the return of the cotangent to its source.
+    So the zeros come from `_linear_zeros_p`, which partial evaluation always stages into
+    the linear program (its rules below, for ``partial_eval_jaxpr_nounits`` as scan and
+    linearize use it and ``partial_eval_jaxpr_custom`` as remat does), held in a fresh
+    frozen reference, which the backward pass treats as an accumulator whatever it holds
+    (``ad.backward_pass3``, jax 0.10.2 and 0.12).
+    """
+    zeros = _linear_zeros_primitive().bind(shape=tuple(aval.shape), dtype=np.dtype(aval.dtype))
+    return jax.freeze(jax.new_ref(zeros))
+
+
+@functools.cache
+def _linear_zeros_primitive() -> Any:
+    from jax.extend.core import Primitive
+    from jax._src.interpreters import partial_eval as _pe  # private
+    from jax._src import source_info_util as _source_info  # private
+
+    prim = Primitive("distlinalg_linear_zeros")
+    prim.def_impl(lambda *, shape, dtype: jax.numpy.zeros(shape, dtype))
+    prim.def_abstract_eval(lambda *, shape, dtype: _core.ShapedArray(shape, dtype))
+    mlir.register_lowering(prim, mlir.lower_fun(lambda *, shape, dtype: jax.numpy.zeros(shape, dtype),
+                                                multiple_results=False))
+
+    def staged(trace: Any, *, shape: Any, dtype: Any) -> Any:
+        out = _pe.JaxprTracer(trace, _pe.PartialVal.unknown(_core.ShapedArray(shape, dtype)), None)
+        out.recipe = _pe.new_eqn_recipe(trace, [], [out], prim, dict(shape=shape, dtype=dtype),
+                                        _core.no_effects, _source_info.current())
+        return out
+
+    _pe.custom_partial_eval_rules[prim] = staged
+    _pe.partial_eval_jaxpr_custom_rules[prim] = lambda saveable, unks_in, inst_in, eqn: (
+        None, eqn, [True], [True], [])
+    return prim

@@ -88,6 +88,12 @@ TABLE: tuple[Patch, ...] = (
           "jit(f).lower(x).compile() called twice failed: the fast path passes the arguments only, not the "
           "effect token (jit's own fast path already leaves ordered programs out)",
           "patches.apply_jax_patches", absent_means="this JAX has no such fast path"),
+    Patch("jax-scan-known-hoisting", "jax", "jax._src.lax.control_flow.loops._scan_known_hoisting",
+          "no loop-invariant hoisting out of the known half of a linearized scan that holds an MPI call",
+          "linearizing a scan, JAX evaluates once, outside the loop, every known computation that depends on "
+          "loop constants only; an MPI call among them (a receive into a constant template) then ran once "
+          "instead of once per iteration while its partner's ran every time (issue 67: mpi4jax's shallow-water "
+          "loop under jax.grad)", "patches.apply_jax_patches"),
     Patch("jax-failed-token", "jax", "jax._src.dispatch.RuntimeTokenSet.get_token_input",
           "a failed program's MPI token is dropped at the next dispatch",
           "on a GPU, one caught cross-rank mismatch left its error in the effect token, and every later "
@@ -302,6 +308,29 @@ def _keep_ordered_programs_off_the_aot_fast_path() -> None:
         record("jax-aot-fast-path", "applied")
     else:
         missing("jax-aot-fast-path")
+
+
+def _keep_mpi_calls_in_linearized_scans() -> None:
+    """Row ``jax-scan-known-hoisting``: when JAX partially evaluates a scan (linearize, grad,
+    remat), it re-traces the known half of the body with the loop constants known and hoists
+    what depends on them alone out of the loop, evaluating it once. An MPI call is a
+    computation too, but running it once instead of once per iteration changes the messages
+    (its partner, whose call depends on the carry, still posts one per iteration). A known
+    half that holds an MPI call is left as it is (JAX's own way to switch the hoisting off)."""
+    from jax._src.lax.control_flow import loops  # private
+
+    def make(original: Any) -> Any:
+        def _scan_known_hoisting(jaxpr_known: Any, known_consts: Any, num_res: int) -> Any:
+            if any(_ours(effect) for effect in jaxpr_known.effects):
+                return jaxpr_known, known_consts, [False] * num_res, []
+            return original(jaxpr_known, known_consts, num_res)
+
+        return _scan_known_hoisting
+
+    if _replace(loops, "_scan_known_hoisting", make):
+        record("jax-scan-known-hoisting", "applied")
+    else:
+        missing("jax-scan-known-hoisting")
 
 
 def _recover_failed_tokens() -> None:
@@ -576,6 +605,7 @@ def apply_jax_patches() -> None:
     warn_outside_checked("jax")
     warn_outside_checked("jaxlib")
     _keep_ordered_programs_off_the_aot_fast_path()
+    _keep_mpi_calls_in_linearized_scans()
     _recover_failed_tokens()
     _wait_for_programs_without_results()
     _route_gpu_compilations()

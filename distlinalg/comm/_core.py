@@ -63,9 +63,38 @@ _eager_users_lock = threading.Lock()
 _eager_programs: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
 
-def new_primitive(name: str, *, multiple_results: bool = False) -> Primitive:
-    """A communication primitive and its effect-free twin for eager calls."""
-    prim = Primitive(f"distlinalg_{name}")
+class ReceivingPrimitive(Primitive):
+    """A primitive with receive templates: differentiated whenever it is bound under AD.
+
+    A receive's result is what its partner sent, so whether it carries a tangent is
+    decided on the partner's rank, not by whether this rank's template does: a
+    template made by ``jnp.empty_like`` (mpi4jax's examples, issue 67) is a constant,
+    and JAX would skip the receive's JVP while the partner posts a tangent. Under a
+    JVP or linearize trace the templates are given a zero tangent instead
+    (jax_names.with_zero_tangents), so the receive always follows the protocol of
+    differentiated messages (comm/sendrecv.py): it takes the partner's tangent when
+    the partner flags one, and is exactly zero otherwise.
+    """
+
+    def __init__(self, name: str, templates: tuple[int, ...]):
+        super().__init__(name)
+        self.templates = templates
+
+    def bind_with_trace(self, trace, args, *rest):
+        return super().bind_with_trace(trace, jax_names.with_zero_tangents(trace, args, self.templates), *rest)
+
+
+def _primitive(name: str, templates: tuple[int, ...]) -> Primitive:
+    return ReceivingPrimitive(name, templates) if templates else Primitive(name)
+
+
+def new_primitive(name: str, *, multiple_results: bool = False, templates: tuple[int, ...] = ()) -> Primitive:
+    """A communication primitive and its effect-free twin for eager calls.
+
+    `templates`: positions of the operands that are receive templates (see
+    :class:`ReceivingPrimitive`).
+    """
+    prim = _primitive(f"distlinalg_{name}", templates)
     prim.multiple_results = multiple_results
     twin = Primitive(f"distlinalg_{name}_eager")
     # The twin always returns a list: primitives without results (send,
@@ -189,6 +218,8 @@ def new_expanded_primitive(
     name: str,
     shape_rule: Callable[..., Any],
     expansion: Callable[..., Sequence[Any]],
+    *,
+    templates: tuple[int, ...] = (),
 ) -> Primitive:
     """A communication primitive defined by what it expands into.
 
@@ -203,8 +234,9 @@ def new_expanded_primitive(
 
     Args:
       shape_rule: ``(*avals, **params) -> list of avals`` of the results.
+      templates: positions of receive templates (:class:`ReceivingPrimitive`).
     """
-    prim = Primitive(f"distlinalg_{name}")
+    prim = _primitive(f"distlinalg_{name}", templates)
     prim.multiple_results = True
     prim.def_effectful_abstract_eval(lambda *avals, **params: (shape_rule(*avals, **params), {mpi_effect}))
     mlir.register_lowering(prim, mlir.lower_fun(expansion, multiple_results=True))

@@ -86,7 +86,7 @@ batching.primitive_batchers[send_p] = _send_batch
 
 # ---------------------------------------------------------------------------
 # recv
-recv_p = _core.new_primitive("recv")
+recv_p = _core.new_primitive("recv", templates=(0,))
 _core.def_abstract_eval(recv_p, lambda t, *, comm, source, tag: _core.shaped(t.shape, t.dtype))
 _core.register_lowering(
     recv_p,
@@ -145,10 +145,8 @@ def send(x: Any, dest: int, *, tag: int = 0, comm: Any = None) -> None:
 
     AD: when `x` carries a tangent, the primal message is flagged and the
     tangent follows as a second message; in reverse mode the cotangent comes
-    back from `dest`. The receiving rank must differentiate its ``recv`` too
-    (its template must depend on the differentiated inputs); otherwise its
-    receive fails: the message is longer than its template (comm/sendrecv.py's
-    module docstring).
+    back from `dest`. The receiving rank's ``recv`` takes it whatever its
+    template (comm/sendrecv.py's module docstring).
 
     Example:
       >>> import jax.numpy as jnp
@@ -198,13 +196,10 @@ def recv(
       wildcards, its first leaf's message decides the source and tag of the
       others.
 
-    AD: the recv is differentiated when its template carries a tangent. When
-    the matching send's value depends on the differentiated inputs, pass a
-    template that does too, e.g. ``recv(x * 0, source)`` with x a
-    differentiated argument: the tangent then arrives as a second message and
-    in reverse mode the cotangent goes back to `source`. With a constant
-    template this receive fails (the message is longer than the template)
-    instead of returning a wrong derivative. A differentiated recv whose sender does not
+    AD: under ``jvp``/``grad``/``linearize`` the recv is always differentiated,
+    whatever its template (``jnp.empty_like(x)`` works): the tangent arrives as
+    a second message when the sender differentiates, and in reverse mode the
+    cotangent goes back to `source`; a recv whose sender does not
     differentiate gets a zero tangent (exact). From PROC_NULL the result is
     the template, with the template's tangent and cotangent. With
     ``ANY_SOURCE``/``ANY_TAG`` the tangent comes from the rank and tag the

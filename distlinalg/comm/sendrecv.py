@@ -42,23 +42,22 @@ sender differentiates says so itself:
   depend on the differentiated inputs. In reverse mode the same branch
   decides whether the cotangent is sent back, so no message is left
   unmatched and no rank waits for one that never comes.
-* A receiver that does *not* differentiate, but whose source does, receives a
+* Every receive bound under a JVP or linearize trace is differentiated, even
+  when its template (and, for sendrecv, its send buffer) carries no tangent:
+  the template is given a zero tangent (``_core.ReceivingPrimitive``), in
+  reverse mode a linear one, so the receive's transpose returns the
+  cotangent to its source. So the receiving side of a differentiated
+  message always takes part, whatever the user's template (issue 67:
+  ``jnp.empty_like`` templates and lone send/recv pairs, as in mpi4jax's
+  shallow-water example). Only a receive outside any differentiation whose
+  source differentiates (different transformations on the two ranks) gets a
   message one element longer than its buffer: MPI truncates it
-  (``MPI_ERR_TRUNCATE``), raised as a Python exception on that rank ("the
-  message from rank ... is longer than the receive template"). That is the one unsupported pattern; it fails loudly instead of
-  hanging or returning a wrong derivative. (Its partner may then block until
-  the job is torn down, as after any error on one MPI rank.)
+  (``MPI_ERR_TRUNCATE``), raised on that rank ("the message from rank ... is
+  longer than the receive template").
 
-The rule for users: when the sent value depends on the differentiated inputs,
-the receiving side's template must too — e.g. ``recv(x * 0, source)`` or
-``recv(jnp.zeros_like(x) + 0 * x, ...)`` with x a differentiated argument;
-``jnp.zeros_like(x)`` alone is a constant. ``sendrecv`` needs nothing special
-when the sent buffers carry tangents on every rank (the usual halo exchange).
 With ``DISTLINALG_CHECK=1`` every message first exchanges its signature, so a
-mismatch (including the unsupported pattern) is reported on both ranks with
-the element counts; in that mode a differentiated receive whose sender does
-not differentiate is reported too (the counts differ by the flag), although
-without the check it is handled exactly.
+mismatch is reported on both ranks with the element counts; a flagged
+receive accepts the shorter message of a source that does not differentiate.
 
 Primal-only exchanges (no differentiation) are plain MPI calls: no flag, no
 copy. Derivative messages use flagged tags (user tags are 0..4095).
@@ -152,7 +151,7 @@ def _local_exchange(s, r, *, dest, **_):
 #     user's exchange (the handler reports a shorter or longer message on
 #     the receiving rank); the flags' count for the flagged exchange of a
 #     differentiated message, whose source may send none.
-sendrecv_p = _core.new_primitive("sendrecv")
+sendrecv_p = _core.new_primitive("sendrecv", templates=(1,))
 _core.def_abstract_eval(
     sendrecv_p, lambda s, r, *, comm, source, dest, sendtag, recvtag, may_lack: _core.shaped(r.shape, r.dtype)
 )
@@ -242,7 +241,9 @@ def _flagged_exchange(s, r, *, comm, source, dest, sendtag, recvtag, depth):
     return [got[:n].reshape(r.shape), got[n:] != 0]
 
 
-flagged_sendrecv_p = _core.new_expanded_primitive("sendrecv_flagged", _flagged_shapes, _flagged_exchange)
+flagged_sendrecv_p = _core.new_expanded_primitive(
+    "sendrecv_flagged", _flagged_shapes, _flagged_exchange, templates=(1,)
+)
 
 
 def _flagged_jvp(primals, tangents, *, depth, **params):

@@ -71,7 +71,7 @@ class Status(NamedTuple):
     count: Any
 
 
-sendrecv_status_p = _core.new_primitive("sendrecv_status", multiple_results=True)
+sendrecv_status_p = _core.new_primitive("sendrecv_status", multiple_results=True, templates=(1,))
 _core.def_abstract_eval(
     sendrecv_status_p,
     lambda s, r, route, **_: [_core.shaped(r.shape, r.dtype), _core.shaped((3,), np.int32)],
@@ -223,7 +223,7 @@ def _flagged_status_exchange(s, r, route, *, depth, any_shorter, **params):
 
 
 flagged_status_p = _core.new_expanded_primitive(
-    "sendrecv_status_flagged", _flagged_status_shapes, _flagged_status_exchange
+    "sendrecv_status_flagged", _flagged_status_shapes, _flagged_status_exchange, templates=(1,)
 )
 
 
