@@ -13,9 +13,9 @@ from . import _runtime
 
 # The one start-up (XLA flags, JAX patches, MPI, the safety net), in its order: _runtime.start.
 YNN_FUSION = _runtime.start()
-from . import ad, comm, linalg, operators, solvers  # noqa: E402  (after the start-up)
+from . import ad, comm, grid, linalg, operators, solvers  # noqa: E402  (after the start-up)
 from .comm import rank, size  # noqa: E402
 from .solvers import bicgstab, cg, eigsh, gmres, minres, natural_gradient  # noqa: E402
 
-__all__ = ["__version__", "ad", "comm", "linalg", "operators", "solvers", "cg", "minres", "gmres", "bicgstab", "eigsh",
+__all__ = ["__version__", "ad", "comm", "grid", "linalg", "operators", "solvers", "cg", "minres", "gmres", "bicgstab", "eigsh",
            "natural_gradient", "rank", "size"]
