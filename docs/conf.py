@@ -68,7 +68,7 @@ html_static_path: list[str] = []
 # runs check): anything missing is a warning (an error under make docs's -W).
 PUBLIC_MODULES = [
     "distlinalg", "distlinalg.comm", "distlinalg.ad", "distlinalg.solvers", "distlinalg.operators",
-    "distlinalg.mpi4jax", "distlinalg.lineax", "distlinalg.netket", "distlinalg.linalg",
+    "distlinalg.mpi4jax", "distlinalg.lineax", "distlinalg.netket", "distlinalg.linalg", "distlinalg.grid",
 ]
 
 

@@ -13,4 +13,4 @@ See docs/grid.md.
 from ._cartesian import STENCILS, CartesianGrid, even_split, process_grid
 from ._halo import PendingExchange
 
-__all__ = ["CartesianGrid", "PendingExchange", "STENCILS", "even_split", "process_grid"]
+__all__ = ["CartesianGrid", "PendingExchange", "even_split", "process_grid"]

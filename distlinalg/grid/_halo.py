@@ -142,7 +142,7 @@ def exchange(self: CartesianGrid, fields: Any) -> Any:
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from distlinalg.grid import CartesianGrid
-      >>> grid = CartesianGrid((4, 3), dims=(0, 1), periodic=True)
+      >>> grid = CartesianGrid((4, 3), dims=(0, 1), periodic=True, stencil="box")
       >>> u = jnp.zeros(grid.block_shape).at[grid.interior].set(1.0)
       >>> u = jax.jit(grid.exchange)(u)
       >>> float(u.sum()) == (grid.local_shape[0] + 2) * 5   # every halo has an owner
@@ -177,7 +177,18 @@ def exchange(self: CartesianGrid, fields: Any) -> Any:
 
 @dataclass
 class PendingExchange:
-    """A split-phase halo exchange under way (from :meth:`CartesianGrid.exchange_start`)."""
+    """A split-phase halo exchange under way (from :meth:`CartesianGrid.exchange_start`).
+
+    Its ``requests`` are the receives and sends posted (for ``comm.overlap``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from distlinalg.grid import CartesianGrid, PendingExchange
+      >>> grid = CartesianGrid((4, 4), periodic=True)
+      >>> pending = grid.exchange_start(jnp.ones(grid.block_shape))
+      >>> isinstance(pending, PendingExchange), grid.exchange_finish(pending).shape == grid.block_shape
+      (True, True)
+    """
 
     leaves: list[Any]
     tree: Any
