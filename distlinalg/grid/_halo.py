@@ -65,10 +65,11 @@ def check_fields(grid: CartesianGrid, leaves: Sequence[Any], where: str) -> None
     agree_options(where, problem, signature, grid.comm)
 
 
-def _axis_slices(grid: CartesianGrid, axis: int, side: int, *, halo: bool, span: Sequence[bool]) -> tuple:
+def _axis_slices(grid: CartesianGrid, axis: int, side: int, *, halo: bool, span: Sequence[slice | None]) -> tuple:
     """Block slices of the layers along `axis` on `side` (+1 high, −1 low): the interior's
     outer layers (`halo` False: what is sent) or the halo beyond them (what is received);
-    along the other axes the interior, or the whole block where `span[a]`."""
+    along the other axes the interior, or `span[a]` where given (the interior and the halos
+    already filled along an earlier axis)."""
     out = []
     for a in range(grid.ndim):
         h, n = grid.halo[a], grid.local_shape[a]
@@ -78,7 +79,7 @@ def _axis_slices(grid: CartesianGrid, axis: int, side: int, *, halo: bool, span:
             else:
                 out.append(slice(n, n + h) if side > 0 else slice(h, 2 * h))
         else:
-            out.append(slice(None) if span[a] else slice(h, h + n))
+            out.append(slice(h, h + n) if span[a] is None else span[a])
     return tuple(out)
 
 
@@ -151,7 +152,7 @@ def exchange(self: CartesianGrid, fields: Any) -> Any:
     leaves, tree = jax.tree_util.tree_flatten(fields)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
     check_fields(self, leaves, "distlinalg.grid.CartesianGrid.exchange")
-    span = [False] * self.ndim
+    span: list[slice | None] = [None] * self.ndim
     for axis in range(self.ndim):
         if self.halo[axis] == 0:
             continue
@@ -171,7 +172,17 @@ def exchange(self: CartesianGrid, fields: Any) -> Any:
                 )
                 _unpack(leaves, group, into, got)
         if self.stencil == "box":
-            span[axis] = True
+            # Later axes carry this axis's halos too (edges and corners), but only those with
+            # an owner: a halo beyond a closed edge keeps its values, as the split-phase form
+            # leaves it. Ranks that exchange along a later axis share this axis's coordinate,
+            # so they agree on the extent.
+            h, n = self.halo[axis], self.local_shape[axis]
+            low = [0] * self.ndim
+            low[axis] = -1
+            high = [0] * self.ndim
+            high[axis] = 1
+            span[axis] = slice(0 if self.neighbour(low) != PROC_NULL else h,
+                               n + 2 * h if self.neighbour(high) != PROC_NULL else h + n)
     return jax.tree_util.tree_unflatten(tree, leaves)
 
 
