@@ -10,7 +10,7 @@ from a global array, ``grid.sum`` / ``reduce`` reduce over the grid or one axis.
 See docs/grid.md.
 """
 
-from ._cartesian import STENCILS, CartesianGrid, even_split, process_grid
+from ._cartesian import CartesianGrid, even_split, process_grid
 from ._halo import PendingExchange
 
 __all__ = ["CartesianGrid", "PendingExchange", "even_split", "process_grid"]
