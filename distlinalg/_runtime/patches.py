@@ -320,10 +320,12 @@ def _keep_mpi_calls_in_linearized_scans() -> None:
     from jax._src.lax.control_flow import loops  # private
 
     def make(original: Any) -> Any:
-        def _scan_known_hoisting(jaxpr_known: Any, known_consts: Any, num_res: int) -> Any:
+        # (jaxpr_known, known_consts, num_res) on jax 0.10; (..., num_ures, num_sres) on 0.12,
+        # where only the first count's residuals may be hoisted.
+        def _scan_known_hoisting(jaxpr_known: Any, known_consts: Any, num_res: int, *counts: int) -> Any:
             if any(_ours(effect) for effect in jaxpr_known.effects):
                 return jaxpr_known, known_consts, [False] * num_res, []
-            return original(jaxpr_known, known_consts, num_res)
+            return original(jaxpr_known, known_consts, num_res, *counts)
 
         return _scan_known_hoisting
 

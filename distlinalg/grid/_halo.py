@@ -256,7 +256,7 @@ def exchange_start(self: CartesianGrid, fields: Any) -> PendingExchange:
     return PendingExchange(leaves, tree, receives, sends)
 
 
-def exchange_finish(self: CartesianGrid, pending: PendingExchange, *, _results: Sequence[Any] | None = None) -> Any:
+def exchange_finish(self: CartesianGrid, pending: PendingExchange) -> Any:
     """Complete a split-phase exchange: `fields` with their halos filled (as :meth:`exchange`).
 
     Example:
@@ -264,7 +264,12 @@ def exchange_finish(self: CartesianGrid, pending: PendingExchange, *, _results: 
     """
     if not isinstance(pending, PendingExchange):
         raise TypeError("distlinalg.grid.CartesianGrid.exchange_finish: expected what exchange_start returned")
-    results = [wait(r) for r in pending.requests] if _results is None else _results
+    return _with_received(pending, [wait(r) for r in pending.requests])
+
+
+def _with_received(pending: PendingExchange, results: Sequence[Any]) -> Any:
+    """The pending fields with what each receive brought written into its halo (the
+    receives' results come first in `results`, as in ``pending.requests``)."""
     leaves = list(pending.leaves)
     for (into, group, _), got in zip(pending.receives, results):
         _unpack(leaves, group, into, got)
@@ -291,6 +296,6 @@ def exchange_overlapped(self: CartesianGrid, fields: Any, fn: Callable[..., Any]
     """
     pending = exchange_start(self, fields)
     if not pending.requests:
-        return exchange_finish(self, pending, _results=[]), fn(*args)
+        return _with_received(pending, []), fn(*args)
     results, out = overlap(pending.requests, fn, *args)
-    return exchange_finish(self, pending, _results=results), out
+    return _with_received(pending, results), out

@@ -215,7 +215,6 @@ def reduce(self: CartesianGrid, field: Any, op: Any = "sum", axis: int | None = 
       (20.0, True)
     """
     where = "distlinalg.grid.CartesianGrid.reduce"
-    field = jnp.asarray(field)
     if axis is not None and not (isinstance(axis, (int, np.integer)) and 0 <= axis < self.ndim):
         raise ValueError(f"{where}: axis must be None or an int in [0, {self.ndim}), got {axis!r}")
     field = _check_block(self, field, where)
